@@ -1,0 +1,112 @@
+"""Deterministic, atomic artifact I/O and hashing shared by every stage.
+
+Every artifact is written to a temporary sibling and renamed into place, so a crash never leaves a
+partial file under the final name (a partial output must never masquerade as complete). JSON is
+canonical (sorted keys, fixed separators) and parquet carries no pandas/timestamp metadata, so the
+same inputs give byte-identical outputs.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+HASH_CHUNK = 1 << 20
+
+
+def canonical_json(obj: Any) -> str:
+    """One spelling per value: sorted keys, no whitespace, UTF-8 kept (not \\u-escaped)."""
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_text(text: str) -> str:
+    return sha256_bytes(text.encode("utf-8"))
+
+
+def sha256_json(obj: Any) -> str:
+    return sha256_text(canonical_json(obj))
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+@contextmanager
+def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+    """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp_path = Path(tmp)
+    try:
+        yield tmp_path
+        os.replace(tmp_path, path)
+    finally:
+        if tmp_path.exists():
+            tmp_path.unlink()
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+
+
+def write_json(path: str | os.PathLike, obj: Any) -> None:
+    """Human-readable but still canonical: sorted keys, 2-space indent, trailing newline."""
+    text = json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    write_text(path, text)
+
+
+def read_json(path: str | os.PathLike) -> Any:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def write_jsonl(path: str | os.PathLike, rows: list[dict]) -> None:
+    write_text(path, "".join(canonical_json(r) + "\n" for r in rows))
+
+
+def read_jsonl(path: str | os.PathLike) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def write_parquet(path: str | os.PathLike, table: pa.Table) -> None:
+    """Byte-deterministic parquet: schema metadata dropped, one fixed compression and layout."""
+    table = table.replace_schema_metadata(None)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd", compression_level=3, use_dictionary=True,
+                       write_statistics=True, row_group_size=1 << 16, store_schema=False)
+
+
+def read_parquet(path: str | os.PathLike) -> pa.Table:
+    return pq.read_table(path)
+
+
+def setup_logging(log_file: str | os.PathLike | None, name: str) -> logging.Logger:
+    """Log to stderr and, when given, to the rule's log file (Snakemake `log:` / DVC cmd)."""
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return logging.getLogger(name)

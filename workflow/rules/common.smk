@@ -1,0 +1,17 @@
+# Shared by every rule file: artifact paths (one place, so rules and tests agree on names).
+
+RESULTS = "results"
+LOGS = "logs"
+
+# Final artifacts requested by `rule all`; extended as stages land.
+FINAL_TARGETS = [
+    f"{RESULTS}/probe/probe_manifest.json",
+]
+
+
+def py(module):
+    """The stage module's source file: a code dependency in both Snakemake and DVC."""
+    return f"stages/{module}.py"
+
+
+LIB = ["stages/lib/io.py", "stages/lib/params.py"]

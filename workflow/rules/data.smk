@@ -1,0 +1,39 @@
+# Data stages: raw sources -> canonical pairs -> frozen probe + train split.
+
+
+rule normalize:
+    input:
+        sources=[s["path"] for s in config["data"]["sources"]],
+        code=[py("normalize"), *LIB],
+    output:
+        pairs=f"{RESULTS}/normalize/pairs.parquet",
+        rejections=f"{RESULTS}/normalize/rejections.parquet",
+        stats=f"{RESULTS}/normalize/normalize_stats.json",
+    params:
+        data=config["data"],
+    log:
+        f"{LOGS}/normalize.log",
+    benchmark:
+        f"{LOGS}/benchmarks/normalize.tsv"
+    shell:
+        "python -m stages.normalize --params params.yaml --pairs {output.pairs}"
+        " --rejections {output.rejections} --stats {output.stats} --log {log}"
+
+
+rule freeze_probe:
+    input:
+        pairs=rules.normalize.output.pairs,
+        code=[py("freeze_probe"), *LIB],
+    output:
+        train=f"{RESULTS}/probe/train.parquet",
+        probe=f"{RESULTS}/probe/probe.parquet",
+        manifest=f"{RESULTS}/probe/probe_manifest.json",
+    params:
+        probe=config["probe"],
+    log:
+        f"{LOGS}/freeze_probe.log",
+    benchmark:
+        f"{LOGS}/benchmarks/freeze_probe.tsv"
+    shell:
+        "python -m stages.freeze_probe --params params.yaml --pairs {input.pairs} --train {output.train}"
+        " --probe {output.probe} --manifest {output.manifest} --log {log}"

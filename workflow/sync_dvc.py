@@ -1,0 +1,154 @@
+"""Generate dvc.yaml from the Snakefile, so Snakemake and DVC run one DAG.
+
+The Snakefile is the single source of truth. This script builds Snakemake's own DAG for `rule all`
+(through the Snakemake API, with the current params.yaml) and writes, for each job, a DVC stage with
+the very same shell command, deps (the rule's inputs), outs, params and metrics/plots:
+
+* a rule parameter named after a params.yaml section (`probe=config["probe"]`) becomes DVC param
+  `probe`; `train__lr=config["train"]["lr"]` becomes `train.lr` (`__` stands for the dot);
+* an output whose name starts with `metrics` is a DVC metric, `plots` a DVC plot (both kept in git,
+  `cache: false`), an output named `persist_*` is kept across reruns (`persist: true`);
+* `log:` and `benchmark:` files are not DVC outs (they change on every run and prove nothing).
+
+    python workflow/sync_dvc.py            # rewrite dvc.yaml
+    python workflow/sync_dvc.py --check    # exit 1 if dvc.yaml differs from what the Snakefile says
+    python workflow/sync_dvc.py --commit-lock  # after a Snakemake run: record its outputs in dvc.lock
+"""
+from __future__ import annotations
+
+import argparse
+import difflib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+HEADER = (
+    "# GENERATED from the Snakefile by `python workflow/sync_dvc.py`; do not edit by hand.\n"
+    "# tests/test_dag.py fails when this file and the Snakefile disagree.\n"
+)
+
+
+def _param_key(name: str, value, config: dict) -> str:
+    key = name.replace("__", ".")
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            raise SystemExit(f"rule param {name!r} names no params.yaml key {key!r}; name params after their key")
+        node = node[part]
+    if node != value:
+        raise SystemExit(f"rule param {name!r} is not params.yaml's {key!r} value; it must be passed through unchanged")
+    return key
+
+
+def snakemake_jobs(root: Path = ROOT) -> tuple[list, dict]:
+    """Snakemake's jobs for `rule all`, in a deterministic topological order, plus the config."""
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.types import DAGSettings, OutputSettings, ResourceSettings
+    from snakemake.settings.enums import Quietness
+
+    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        wf_api = api.workflow(resource_settings=ResourceSettings(cores=1), snakefile=root / "Snakefile", workdir=root)
+        wf_api.dag(DAGSettings())
+        workflow = wf_api._workflow
+        workflow._prepare_dag(forceall=True, ignore_incomplete=True, lock_warn_only=True, nolock=True)
+        workflow._build_dag()
+        dag = workflow.dag
+        order: list = []
+        for level in dag.toposorted():
+            order.extend(sorted(level, key=lambda j: j.rule.name))
+        jobs = [j for j in order if j.rule.name != "all"]
+        # Materialize everything we need before the API context is torn down.
+        out = []
+        for job in jobs:
+            params = {name: job.params[name] for name in job.params.keys()}
+            out.append({
+                "name": job.rule.name,
+                "cmd": " ".join(job.shellcmd.split()),
+                "deps": list(dict.fromkeys(str(f) for f in job.input)),
+                "outputs": [(name, str(job.output[name])) for name in job.output.keys()],
+                "unnamed_outputs": [str(f) for f in job.output],
+                "params": params,
+            })
+        return out, dict(workflow.config)
+
+
+def render_dvc_yaml(jobs: list, config: dict) -> str:
+    stages = {}
+    for job in jobs:
+        named = {path: name for name, path in job["outputs"]}
+        outs, metrics, plots = [], [], []
+        for path in job["unnamed_outputs"]:
+            name = named.get(path, "")
+            if name.startswith("metrics"):
+                metrics.append({path: {"cache": False}})
+            elif name.startswith("plots"):
+                plots.append({path: {"cache": False}})
+            elif name.startswith("persist"):
+                outs.append({path: {"persist": True}})
+            else:
+                outs.append(path)
+        stage = {"cmd": job["cmd"], "deps": job["deps"]}
+        params = sorted({_param_key(n, v, config) for n, v in job["params"].items()})
+        if params:
+            stage["params"] = params
+        if outs:
+            stage["outs"] = outs
+        if metrics:
+            stage["metrics"] = metrics
+        if plots:
+            stage["plots"] = plots
+        stages[job["name"]] = stage
+    body = yaml.safe_dump({"stages": stages}, sort_keys=False, width=1000, default_flow_style=False)
+    return HEADER + body
+
+
+def commit_lock(root: Path = ROOT, stage_names: list[str] | None = None) -> None:
+    """Record the outputs Snakemake just produced in dvc.lock (`dvc commit`), so that `dvc status`
+    agrees with the Snakemake run. Only stages whose outputs all exist are committed."""
+    if not (root / ".dvc").is_dir() or shutil.which("dvc") is None:
+        return
+    dvc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    ready = []
+    for name, stage in dvc.items():
+        if stage_names is not None and name not in stage_names:
+            continue
+        paths = [next(iter(o)) if isinstance(o, dict) else o
+                 for key in ("outs", "metrics", "plots") for o in stage.get(key, [])]
+        if all((root / p).exists() for p in paths):
+            ready.append(name)
+    if ready:
+        subprocess.run(["dvc", "commit", "--force", "--quiet", *ready], cwd=root, check=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    mode = ap.add_mutually_exclusive_group()
+    mode.add_argument("--check", action="store_true", help="fail if dvc.yaml is out of date")
+    mode.add_argument("--commit-lock", action="store_true", help="dvc commit the stages whose outputs exist")
+    args = ap.parse_args(argv)
+    target = ROOT / "dvc.yaml"
+    if args.commit_lock:
+        commit_lock()
+        return 0
+    jobs, config = snakemake_jobs()
+    text = render_dvc_yaml(jobs, config)
+    if args.check:
+        current = target.read_text() if target.exists() else ""
+        if current != text:
+            diff = difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from Snakefile")
+            sys.stderr.write("dvc.yaml is out of date with the Snakefile; run `python workflow/sync_dvc.py`\n")
+            sys.stderr.writelines(diff)
+            return 1
+        print("dvc.yaml matches the Snakefile")
+        return 0
+    target.write_text(text)
+    print(f"wrote {target.relative_to(ROOT)} ({len(jobs)} stages)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
