@@ -1,0 +1,43 @@
+# Reference stages: pinned snapshot -> verified identity -> token parquet rendered by its tokenizer.
+
+
+rule verify_ref:
+    input:
+        ref_dir=config["ref"]["local_dir"],
+        code=[py("verify_ref"), *LIB],
+    output:
+        identity=f"{RESULTS}/ref/ref_identity.json",
+    params:
+        ref=config["ref"],
+    log:
+        f"{LOGS}/verify_ref.log",
+    benchmark:
+        f"{LOGS}/benchmarks/verify_ref.tsv"
+    shell:
+        "python -m stages.verify_ref verify --params params.yaml --identity {output.identity} --log {log}"
+
+
+rule tokenize:
+    input:
+        identity=rules.verify_ref.output.identity,
+        train=rules.freeze_probe.output.train,
+        probe=rules.freeze_probe.output.probe,
+        manifest=rules.freeze_probe.output.manifest,
+        code=[py("tokenize"), py("verify_ref"), *LIB],
+    output:
+        train_tokens=f"{RESULTS}/tokens/train_tokens.parquet",
+        probe_tokens=f"{RESULTS}/tokens/probe_tokens.parquet",
+        probe_token_manifest=f"{RESULTS}/tokens/probe_token_manifest.json",
+        report=f"{RESULTS}/tokens/tokenize_report.json",
+        rejections=f"{RESULTS}/tokens/token_rejections.parquet",
+    params:
+        tokenize=config["tokenize"],
+    log:
+        f"{LOGS}/tokenize.log",
+    benchmark:
+        f"{LOGS}/benchmarks/tokenize.tsv"
+    shell:
+        "python -m stages.tokenize --params params.yaml --identity {input.identity} --train {input.train}"
+        " --probe {input.probe} --probe-manifest {input.manifest} --train-tokens {output.train_tokens}"
+        " --probe-tokens {output.probe_tokens} --probe-token-manifest {output.probe_token_manifest}"
+        " --report {output.report} --rejections {output.rejections} --log {log}"
