@@ -4,6 +4,7 @@ The Snakefile is the single source of truth. This script builds Snakemake's own 
 (through the Snakemake API, with the current params.yaml) and writes, for each job, a DVC stage with
 the very same shell command, deps (the rule's inputs), outs, params and metrics/plots:
 
+* a rule parameter named `cli_*` is a command-line fragment (a path or flag), visible in the cmd;
 * a rule parameter named after a params.yaml section (`probe=config["probe"]`) becomes DVC param
   `probe`; `train__lr=config["train"]["lr"]` becomes `train.lr` (`__` stands for the dot);
 * an output whose name starts with `metrics` is a DVC metric, `plots` a DVC plot (both kept in git,
@@ -92,7 +93,7 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
             else:
                 outs.append(path)
         stage = {"cmd": job["cmd"], "deps": job["deps"]}
-        params = sorted({_param_key(n, v, config) for n, v in job["params"].items()})
+        params = sorted({_param_key(n, v, config) for n, v in job["params"].items() if not n.startswith("cli_")})
         if params:
             stage["params"] = params
         if outs:

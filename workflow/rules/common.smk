@@ -9,9 +9,8 @@ FINAL_TARGETS = [
 ]
 
 
-def py(module):
-    """The stage module's source file: a code dependency in both Snakemake and DVC."""
-    return f"stages/{module}.py"
+# A stage module's source file: a code dependency in both Snakemake and DVC.
+py = "stages/{}.py".format
 
 
 LIB = ["stages/lib/io.py", "stages/lib/params.py"]

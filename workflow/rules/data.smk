@@ -11,6 +11,8 @@ rule normalize:
         stats=f"{RESULTS}/normalize/normalize_stats.json",
     params:
         data=config["data"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/normalize.log",
     benchmark:
@@ -30,6 +32,8 @@ rule freeze_probe:
         manifest=f"{RESULTS}/probe/probe_manifest.json",
     params:
         probe=config["probe"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/freeze_probe.log",
     benchmark:

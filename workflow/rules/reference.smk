@@ -9,6 +9,8 @@ rule verify_ref:
         identity=f"{RESULTS}/ref/ref_identity.json",
     params:
         ref=config["ref"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/verify_ref.log",
     benchmark:
@@ -32,6 +34,8 @@ rule tokenize:
         rejections=f"{RESULTS}/tokens/token_rejections.parquet",
     params:
         tokenize=config["tokenize"],
+    conda:
+        "../envs/pipeline.yaml"
     log:
         f"{LOGS}/tokenize.log",
     benchmark:

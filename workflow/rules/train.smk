@@ -1,0 +1,105 @@
+# Training stages, launched by torchrun: one process per GPU (nccl), or train.cpu_procs processes
+# on CPU (gloo) when train.gpus is 0. The reference is read only through its verified identity.
+
+import os
+
+TRAIN = config["train"]
+NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
+ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/trainer.py", py("verify_ref"), *LIB]
+TOKENS = rules.tokenize.output
+# Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
+USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
+
+
+rule ref_logps:
+    input:
+        train_tokens=TOKENS.train_tokens,
+        probe_tokens=TOKENS.probe_tokens,
+        identity=rules.verify_ref.output.identity,
+        code=[py("ref_logps"), *ENGINE],
+    output:
+        ref_logps=f"{RESULTS}/ref_logps/ref_logps.parquet",
+    params:
+        # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
+        train__micro_batch_tokens=TRAIN["micro_batch_tokens"],
+        train__logp_chunk_tokens=TRAIN["logp_chunk_tokens"],
+        train__temperature=TRAIN["temperature"],
+    resources:
+        gpu=TRAIN["gpus"],
+        nproc=NPROC,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/ref_logps.log",
+    benchmark:
+        f"{LOGS}/benchmarks/ref_logps.tsv"
+    shell:
+        # --standalone: a private rendezvous on a free local port, so concurrent torchrun jobs never collide.
+        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.ref_logps --params params.yaml"
+        " --identity {input.identity}"
+        " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
+        " --out {output.ref_logps} --log {log}"
+
+
+rule train_dpo:
+    input:
+        train_tokens=TOKENS.train_tokens,
+        probe_tokens=TOKENS.probe_tokens,
+        identity=rules.verify_ref.output.identity,
+        ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
+        code=[py("train_dpo"), *ENGINE],
+    output:
+        model=directory(f"{RESULTS}/train_dpo/model"),
+        plots_train_log=f"{RESULTS}/train_dpo/train_log.csv",
+        run_info=f"{RESULTS}/train_dpo/run_info.json",
+        probe_step0=f"{RESULTS}/train_dpo/probe_step0.jsonl",
+        probe_final=f"{RESULTS}/train_dpo/probe_final.jsonl",
+    params:
+        train=config["train"],
+        dpo=config["dpo"],
+        cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
+        cli_ref_logps=lambda w, input: f"--ref-logps {input.ref_logps}" if USES_REF_LOGPS else "",
+    resources:
+        gpu=TRAIN["gpus"],
+        nproc=NPROC,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/train_dpo.log",
+    benchmark:
+        f"{LOGS}/benchmarks/train_dpo.tsv"
+    shell:
+        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_dpo --params params.yaml"
+        " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
+        " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --log {log}"
+
+
+rule train_rm:
+    input:
+        train_tokens=TOKENS.train_tokens,
+        probe_tokens=TOKENS.probe_tokens,
+        identity=rules.verify_ref.output.identity,
+        code=[py("train_rm"), *ENGINE],
+    output:
+        model=directory(f"{RESULTS}/train_rm/model"),
+        plots_train_log=f"{RESULTS}/train_rm/train_log.csv",
+        run_info=f"{RESULTS}/train_rm/run_info.json",
+        probe_step0=f"{RESULTS}/train_rm/probe_step0.jsonl",
+        probe_final=f"{RESULTS}/train_rm/probe_final.jsonl",
+    params:
+        train=config["train"],
+        rm=config["rm"],
+        cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
+    resources:
+        gpu=TRAIN["gpus"],
+        nproc=NPROC,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/train_rm.log",
+    benchmark:
+        f"{LOGS}/benchmarks/train_rm.tsv"
+    shell:
+        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_rm --params params.yaml"
+        " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
+        " --out-dir {params.cli_out_dir} --log {log}"
