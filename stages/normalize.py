@@ -1,0 +1,680 @@
+"""normalize: raw preference files -> one canonical pairs table, every bad row kept with a reason.
+
+    python -m stages.normalize --params params.yaml \
+        --pairs results/normalize/pairs.parquet \
+        --rejections results/normalize/rejections.parquet \
+        --stats results/normalize/normalize_stats.json --log logs/normalize.log
+
+Reads every source under `data.sources` in params.yaml (`{name, path, format, columns?}`; paths
+relative to the working directory) and writes the artifacts described in docs/ARTIFACTS.md.
+
+File types (by suffix): `.jsonl` / `.jsonl.gz` (one JSON object per line; src_row = 0-based line,
+blank lines skipped and counted), `.json` / `.json.gz` (one JSON list of objects; src_row = element
+index), `.parquet` (src_row = table row). A file that cannot be read at all (missing, unknown
+suffix, corrupt) fails the stage naming the file; a bad *row* never does.
+
+Formats (the `format` of a source):
+- `hh`: `{"chosen": transcript, "rejected": transcript}` with "\\n\\nHuman: ..\\n\\nAssistant: .."
+  turns. prompt = the shared prefix of the two transcripts up to and including the LAST
+  "\\n\\nAssistant:" inside that shared prefix; completion = the rest. A turn's content is the
+  text after its marker minus one leading space. A completion that itself holds a further turn
+  marker is multi-turn and is rejected (`role`).
+- `trl`: `chosen` / `rejected` (+ optional `prompt`) as strings (standard) or message lists
+  (conversational). Without `prompt` the prompt is implicit: for message lists the common leading
+  messages; for strings TRL's `extract_prompt` (longest common character prefix, backed off by one
+  when the character before the split is a space, so the completions keep their leading space).
+  Unlike TRL, when one string is a prefix of the other the split is at the end of the shorter one
+  (whose completion is then empty -> `empty_completion`). A string prompt becomes one user message
+  and a string completion one assistant message, content verbatim.
+- `sharegpt`: `conversations` [{from, value}] (from: human/user, gpt/assistant, system) is the
+  prompt; `chosen` / `rejected` are a {from, value} object, a list of them, or a string; an
+  optional top-level `system` string becomes a leading system message.
+- `openai`: `input.messages` (prompt), `preferred_output` / `non_preferred_output` (lists of
+  assistant messages).
+- `columns`: the source's `columns` mapping {prompt?, chosen, rejected, system?, margin?} names the
+  row's column for each canonical field; values are strings or message lists as in `trl`
+  (no prompt column -> implicit prompt); `system` (string, "" or null = none) is prepended;
+  `margin` (finite number or null) is kept in the `margin` column.
+- `auto`, decided per row from its keys, first match wins:
+  `input` + `preferred_output` + `non_preferred_output` -> openai; `conversations` + `chosen` +
+  `rejected` -> sharegpt; `chosen` + `rejected` without `prompt`, both strings containing
+  "\\n\\nAssistant:" -> hh; `chosen` + `rejected` -> trl; anything else -> rejected (`schema`).
+  Keys a format does not use are ignored.
+
+Validation (every failure is a rejection with a stable reason code, set where it is raised):
+a message is an object with string `role` in {system, user, assistant} and string `content`
+(extra keys must be null); a system message only first; then user/assistant alternate starting
+with user; the prompt ends with a user turn; each completion is exactly one assistant message;
+prompt and completion contents are non-empty after strip; chosen and rejected differ after strip;
+an exact duplicate (same content_hash) of an earlier pair, in (source order, row order), is
+rejected. rows_in == pairs_out + rejected for every source (checked before anything is written).
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from stages.lib.io import setup_logging, sha256_json, write_json, write_parquet
+from stages.lib.params import load_params
+
+# ----------------------------------------------------------------------------------------------
+# Reason codes and the row-level error
+
+REASONS = (
+    "json",              # the line is not valid JSON (or not UTF-8)
+    "schema",            # not an object / null / missing or wrongly-typed field / format undetectable
+    "role",              # bad, missing or misplaced role; no alternation; multi-turn completion
+    "content_type",      # message content missing or not a string
+    "empty_prompt",      # no prompt, or a prompt message empty after strip
+    "empty_completion",  # a completion missing or empty after strip
+    "identical_pair",    # chosen == rejected (after strip)
+    "no_shared_prompt",  # implicit prompt: chosen and rejected share no prompt
+    "margin",            # margin present but not a finite number
+    "duplicate",         # same content as an earlier pair
+)
+ROLES = ("system", "user", "assistant")
+FORMATS = ("auto", "hh", "trl", "sharegpt", "openai", "columns")
+
+
+class RowRejected(Exception):
+    """One row cannot become a pair. `reason` is a stable code from REASONS; `detail` says why."""
+
+    def __init__(self, reason: str, detail: str):
+        if reason not in REASONS:
+            raise ValueError(f"unknown rejection reason {reason!r}")
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class SourceError(RuntimeError):
+    """A source file or its params entry is unusable as a whole; the stage fails."""
+
+
+Message = dict  # {"role": str, "content": str}
+
+
+def _type(x: Any) -> str:
+    return "null" if x is None else type(x).__name__
+
+
+def _preview(s: str, n: int = 60) -> str:
+    return repr(s if len(s) <= n else s[:n] + "...")
+
+
+# ----------------------------------------------------------------------------------------------
+# Messages and conversation validation
+
+def _check_extra_keys(obj: dict, allowed: tuple[str, ...], where: str) -> None:
+    # Null extras are tolerated: parquet structs unify keys across rows and fill absent ones with
+    # null. A non-null extra (name, tool_calls, ...) would be silently dropped, so it is refused.
+    extra = sorted(k for k, v in obj.items() if k not in allowed and v is not None)
+    if extra:
+        raise RowRejected("schema", f"{where} has unsupported keys {extra} (only {list(allowed)})")
+
+
+def to_message(obj: Any, where: str) -> Message:
+    """A {role, content} object -> canonical message, or RowRejected naming what is wrong."""
+    if not isinstance(obj, dict):
+        raise RowRejected("schema", f"{where} is {_type(obj)}, expected an object with role and content")
+    if "role" not in obj or obj["role"] is None:
+        raise RowRejected("role", f"{where} has no role")
+    role = obj["role"]
+    if not isinstance(role, str):
+        raise RowRejected("role", f"{where} role is {_type(role)}, expected a string")
+    if role not in ROLES:
+        raise RowRejected("role", f"{where} has role {role!r}, expected one of {'/'.join(ROLES)}")
+    if "content" not in obj or obj["content"] is None:
+        raise RowRejected("content_type", f"{where} has no content")
+    if not isinstance(obj["content"], str):
+        raise RowRejected("content_type", f"{where} content is {_type(obj['content'])}, expected a string")
+    _check_extra_keys(obj, ("role", "content"), where)
+    return {"role": role, "content": obj["content"]}
+
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system"}
+
+
+def sharegpt_message(obj: Any, where: str) -> Message:
+    if not isinstance(obj, dict):
+        raise RowRejected("schema", f"{where} is {_type(obj)}, expected an object with from and value")
+    speaker = obj.get("from")
+    if speaker is None:
+        raise RowRejected("role", f"{where} has no 'from'")
+    if not isinstance(speaker, str):
+        raise RowRejected("role", f"{where} 'from' is {_type(speaker)}, expected a string")
+    if speaker not in SHAREGPT_ROLES:
+        raise RowRejected("role", f"{where} has 'from' {speaker!r}, expected one of {sorted(SHAREGPT_ROLES)}")
+    value = obj.get("value")
+    if value is None:
+        raise RowRejected("content_type", f"{where} has no 'value'")
+    if not isinstance(value, str):
+        raise RowRejected("content_type", f"{where} 'value' is {_type(value)}, expected a string")
+    _check_extra_keys(obj, ("from", "value"), where)
+    return {"role": SHAREGPT_ROLES[speaker], "content": value}
+
+
+def to_messages(value: Any, where: str, string_role: str) -> list[Message]:
+    """A field that is a string (-> one `string_role` message) or a list of message objects."""
+    if isinstance(value, str):
+        return [{"role": string_role, "content": value}]
+    if isinstance(value, list):
+        return [to_message(m, f"{where} message {i}") for i, m in enumerate(value)]
+    raise RowRejected("schema", f"{where} is {_type(value)}, expected a string or a list of messages")
+
+
+def validate_pair(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> None:
+    """Conversation rules on already well-typed messages; raises RowRejected."""
+    for name, msgs in (("prompt", prompt), ("chosen", chosen), ("rejected", rejected)):
+        for i, m in enumerate(msgs):
+            try:  # JSON "\ud800" escapes decode to lone surrogates, which no UTF-8 artifact can hold
+                m["content"].encode("utf-8")
+            except UnicodeEncodeError:
+                raise RowRejected("content_type", f"{name} message {i} content holds an unpaired "
+                                                  f"surrogate (not valid Unicode text)") from None
+    if not prompt:
+        raise RowRejected("empty_prompt", "the prompt has no messages")
+    for i, m in enumerate(prompt):
+        if m["role"] == "system" and i != 0:
+            raise RowRejected("role", f"prompt message {i} is a system message; system is only allowed first")
+    turns = prompt[1:] if prompt[0]["role"] == "system" else prompt
+    if not turns:
+        raise RowRejected("role", "the prompt has only a system message; it must end with a user turn")
+    for i, m in enumerate(turns):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if m["role"] != expected:
+            k = i + (len(prompt) - len(turns))
+            raise RowRejected("role", f"prompt message {k} has role {m['role']!r} where {expected!r} "
+                                      f"was expected (user/assistant must alternate, starting with user)")
+    if turns[-1]["role"] != "user":
+        raise RowRejected("role", "the prompt ends with an assistant turn; it must end with a user turn")
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        if not completion:
+            raise RowRejected("empty_completion", f"{name} has no messages")
+        for i, m in enumerate(completion):
+            if m["role"] != "assistant":
+                raise RowRejected("role", f"{name} message {i} has role {m['role']!r}; a completion is assistant only")
+        if len(completion) > 1:
+            raise RowRejected("role", f"{name} has {len(completion)} assistant messages; a completion is "
+                                      f"one assistant turn (consecutive assistant turns do not alternate)")
+    for i, m in enumerate(prompt):
+        if not m["content"].strip():
+            raise RowRejected("empty_prompt", f"prompt message {i} ({m['role']}) is empty")
+    for name, completion in (("chosen", chosen), ("rejected", rejected)):
+        if not completion[0]["content"].strip():
+            raise RowRejected("empty_completion", f"{name} is empty")
+    if [m["content"].strip() for m in chosen] == [m["content"].strip() for m in rejected]:
+        raise RowRejected("identical_pair", "chosen and rejected are identical"
+                          + ("" if chosen == rejected else " up to surrounding whitespace"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Implicit prompts (common prefix of chosen and rejected)
+
+def _common_prefix_len(a, b) -> int:
+    """Length of the common prefix of two strings or two lists."""
+    if isinstance(a, str):
+        # bisect on slice equality: C-speed compares instead of a Python loop per character
+        lo, hi = 0, min(len(a), len(b))
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if a[:mid] == b[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def split_implicit_strings(chosen: str, rejected: str) -> tuple[str, str, str]:
+    """TRL extract_prompt on strings: (prompt, chosen_rest, rejected_rest)."""
+    i = _common_prefix_len(chosen, rejected)
+    if i < min(len(chosen), len(rejected)) and i > 0 and chosen[i - 1] == " ":
+        i -= 1  # keep the space with the completions, as TRL does
+    return chosen[:i], chosen[i:], rejected[i:]
+
+
+def split_implicit(chosen: Any, rejected: Any, where: str) -> tuple[list[Message], list[Message], list[Message]]:
+    if chosen == rejected:
+        raise RowRejected("identical_pair", f"{where}: chosen and rejected are identical")
+    if isinstance(chosen, str) and isinstance(rejected, str):
+        prompt, c, r = split_implicit_strings(chosen, rejected)
+        if not prompt:
+            raise RowRejected("no_shared_prompt", f"{where}: chosen and rejected share no leading text "
+                                                  f"(implicit prompt)")
+        return ([{"role": "user", "content": prompt}], [{"role": "assistant", "content": c}],
+                [{"role": "assistant", "content": r}])
+    if isinstance(chosen, list) and isinstance(rejected, list):
+        cm = to_messages(chosen, "chosen", "assistant")
+        rm = to_messages(rejected, "rejected", "assistant")
+        n = _common_prefix_len(cm, rm)
+        if n == 0:
+            raise RowRejected("no_shared_prompt", f"{where}: chosen and rejected share no leading message "
+                                                  f"(implicit prompt)")
+        return cm[:n], cm[n:], rm[n:]
+    raise RowRejected("schema", f"{where}: without a prompt, chosen and rejected must both be strings or both "
+                                f"message lists, got {_type(chosen)} and {_type(rejected)}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Format adapters: row (dict) -> (prompt, chosen, rejected, margin)
+
+def _require(row: dict, keys: tuple[str, ...], fmt: str) -> None:
+    missing = [k for k in keys if k not in row]
+    if missing:
+        raise RowRejected("schema", f"{fmt} row lacks {missing} (has {sorted(row)})")
+
+
+HH_MARKER = "\n\nAssistant:"
+HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+
+
+def hh_turns(text: str, where: str) -> list[Message]:
+    """'\\n\\nHuman: a\\n\\nAssistant: b' -> messages; one leading space of each turn dropped."""
+    if text.startswith(("Human:", "Assistant:")):
+        text = "\n\n" + text
+    pieces = HH_TURN.split(text)
+    if pieces[0].strip():
+        raise RowRejected("role", f"{where} has text before its first Human:/Assistant: marker: "
+                                  f"{_preview(pieces[0])}")
+    out = []
+    for speaker, body in zip(pieces[1::2], pieces[2::2]):
+        out.append({"role": "user" if speaker == "Human" else "assistant",
+                    "content": body[1:] if body.startswith(" ") else body})
+    return out
+
+
+def from_hh(row: dict) -> tuple[list[Message], list[Message], list[Message], None]:
+    _require(row, ("chosen", "rejected"), "hh")
+    chosen, rejected = row["chosen"], row["rejected"]
+    for name, v in (("chosen", chosen), ("rejected", rejected)):
+        if not isinstance(v, str):
+            raise RowRejected("schema", f"hh {name} is {_type(v)}, expected a transcript string")
+    shared = _common_prefix_len(chosen, rejected)
+    cut = chosen.rfind(HH_MARKER, 0, shared)
+    if cut < 0:
+        raise RowRejected("no_shared_prompt", "chosen and rejected share no '\\n\\nAssistant:' turn "
+                                              f"(shared prefix {_preview(chosen[:shared])})")
+    prompt = hh_turns(chosen[:cut], "prompt")
+    rest = cut + len(HH_MARKER)
+    c = hh_turns(HH_MARKER + chosen[rest:], "chosen")
+    r = hh_turns(HH_MARKER + rejected[rest:], "rejected")
+    return prompt, c, r, None
+
+
+def _trl_like(row: dict, prompt_key: str | None, chosen_key: str, rejected_key: str,
+              system_key: str | None, fmt: str) -> tuple[list[Message], list[Message], list[Message]]:
+    chosen, rejected = row[chosen_key], row[rejected_key]
+    for key in (chosen_key, rejected_key):
+        if not isinstance(row[key], (str, list)):
+            raise RowRejected("schema", f"{fmt} {key!r} is {_type(row[key])}, expected a string or a message list")
+    if prompt_key is None:
+        prompt, c, r = split_implicit(chosen, rejected, fmt)
+    else:
+        prompt = to_messages(row[prompt_key], f"{fmt} {prompt_key!r}", "user")
+        c = to_messages(chosen, "chosen", "assistant")
+        r = to_messages(rejected, "rejected", "assistant")
+    if system_key is not None:
+        system = row[system_key]
+        if system is not None and not isinstance(system, str):
+            raise RowRejected("content_type", f"{fmt} system column {system_key!r} is {_type(system)}, "
+                                              f"expected a string")
+        if system:  # "" / null: no system prompt
+            prompt = [{"role": "system", "content": system}] + prompt
+    return prompt, c, r
+
+
+def from_trl(row: dict) -> tuple[list[Message], list[Message], list[Message], None]:
+    _require(row, ("chosen", "rejected"), "trl")
+    prompt_key = "prompt" if "prompt" in row else None
+    return (*_trl_like(row, prompt_key, "chosen", "rejected", None, "trl"), None)
+
+
+def from_sharegpt(row: dict) -> tuple[list[Message], list[Message], list[Message], None]:
+    _require(row, ("conversations", "chosen", "rejected"), "sharegpt")
+    conv = row["conversations"]
+    if not isinstance(conv, list):
+        raise RowRejected("schema", f"sharegpt conversations is {_type(conv)}, expected a list")
+    prompt = [sharegpt_message(m, f"conversations message {i}") for i, m in enumerate(conv)]
+    system = row.get("system")
+    if system is not None and not isinstance(system, str):
+        raise RowRejected("content_type", f"sharegpt system is {_type(system)}, expected a string")
+    if system:
+        prompt = [{"role": "system", "content": system}] + prompt
+
+    def completion(v: Any, name: str) -> list[Message]:
+        if isinstance(v, str):
+            return [{"role": "assistant", "content": v}]
+        if isinstance(v, dict):
+            return [sharegpt_message(v, name)]
+        if isinstance(v, list):
+            return [sharegpt_message(m, f"{name} message {i}") for i, m in enumerate(v)]
+        raise RowRejected("schema", f"sharegpt {name} is {_type(v)}, expected a {{from, value}} object or a string")
+
+    return prompt, completion(row["chosen"], "chosen"), completion(row["rejected"], "rejected"), None
+
+
+def from_openai(row: dict) -> tuple[list[Message], list[Message], list[Message], None]:
+    _require(row, ("input", "preferred_output", "non_preferred_output"), "openai")
+    inp = row["input"]
+    if not isinstance(inp, dict) or "messages" not in inp:
+        raise RowRejected("schema", f"openai input is {_type(inp)}"
+                                    f"{'' if not isinstance(inp, dict) else ' without messages'}, "
+                                    f"expected an object with a messages list")
+    out = []
+    for key in ("messages", "preferred_output", "non_preferred_output"):
+        v = inp["messages"] if key == "messages" else row[key]
+        if not isinstance(v, list):
+            raise RowRejected("schema", f"openai {key} is {_type(v)}, expected a list of messages")
+        out.append([to_message(m, f"{key} message {i}") for i, m in enumerate(v)])
+    return out[0], out[1], out[2], None
+
+
+def from_columns(row: dict, mapping: dict) -> tuple[list[Message], list[Message], list[Message], float | None]:
+    used = [mapping[k] for k in ("prompt", "chosen", "rejected", "system", "margin") if k in mapping]
+    _require(row, tuple(used), "columns")
+    prompt, c, r = _trl_like(row, mapping.get("prompt"), mapping["chosen"], mapping["rejected"],
+                             mapping.get("system"), "columns")
+    margin = None
+    if "margin" in mapping:
+        m = row[mapping["margin"]]
+        if m is not None:
+            if isinstance(m, bool) or not isinstance(m, (int, float)) or not math.isfinite(m):
+                raise RowRejected("margin", f"margin column {mapping['margin']!r} is {m!r}, expected a finite number")
+            margin = float(m)
+    return prompt, c, r, margin
+
+
+def detect_format(row: dict) -> str:
+    """The `auto` rule (see module docstring)."""
+    if {"input", "preferred_output", "non_preferred_output"} <= row.keys():
+        return "openai"
+    if {"conversations", "chosen", "rejected"} <= row.keys():
+        return "sharegpt"
+    if {"chosen", "rejected"} <= row.keys():
+        c, r = row["chosen"], row["rejected"]
+        if ("prompt" not in row and isinstance(c, str) and isinstance(r, str)
+                and HH_MARKER in c and HH_MARKER in r):
+            return "hh"
+        return "trl"
+    raise RowRejected("schema", f"cannot detect the format from keys {sorted(row)} (auto expects "
+                                f"chosen+rejected, conversations+chosen+rejected, or "
+                                f"input+preferred_output+non_preferred_output)")
+
+
+ADAPTERS = {"hh": from_hh, "trl": from_trl, "sharegpt": from_sharegpt, "openai": from_openai}
+
+
+@dataclass(frozen=True)
+class Pair:
+    prompt: list[Message]
+    chosen: list[Message]
+    rejected: list[Message]
+    margin: float | None
+    content_hash: str
+    fmt: str  # the format that parsed the row (the detected one under `auto`)
+
+    @property
+    def pair_id(self) -> str:
+        return self.content_hash[:24]
+
+
+def content_hash(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> str:
+    return sha256_json({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+
+
+def normalize_row(row: Any, fmt: str, columns: dict | None = None) -> Pair:
+    """One parsed row -> a validated Pair, or RowRejected with the reason code."""
+    if row is None:
+        raise RowRejected("schema", "row is null, expected an object")
+    if not isinstance(row, dict):
+        raise RowRejected("schema", f"row is {_type(row)}, expected an object")
+    if fmt == "auto":
+        fmt = detect_format(row)
+    if fmt == "columns":
+        if not columns:
+            raise ValueError("format 'columns' needs a columns mapping")
+        prompt, chosen, rejected, margin = from_columns(row, columns)
+    else:
+        prompt, chosen, rejected, margin = ADAPTERS[fmt](row)
+    validate_pair(prompt, chosen, rejected)
+    return Pair(prompt, chosen, rejected, margin, content_hash(prompt, chosen, rejected), fmt)
+
+
+# ----------------------------------------------------------------------------------------------
+# Readers: file -> (src_row, raw text, parsed value or RowRejected)
+
+@dataclass(frozen=True)
+class SourceRow:
+    src_row: int
+    raw: str
+    value: Any = None
+    error: RowRejected | None = None
+
+
+def _raw_json(obj: Any) -> str:
+    # The original text of a json/parquet element: JSON with sorted keys; non-JSON values
+    # (bytes, timestamps from parquet) spelled by str so nothing is lost.
+    text = json.dumps(obj, sort_keys=True, ensure_ascii=False, default=str)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: keep them, \u-escaped
+        text = json.dumps(obj, sort_keys=True, ensure_ascii=True, default=str)
+    return text
+
+
+def file_kind(path: str) -> str:
+    for suffix, kind in ((".jsonl.gz", "jsonl.gz"), (".jsonl", "jsonl"), (".json.gz", "json.gz"),
+                         (".json", "json"), (".parquet", "parquet")):
+        if path.endswith(suffix):
+            return kind
+    raise SourceError(f"{path}: unknown file type (expected .jsonl, .jsonl.gz, .json, .json.gz or .parquet)")
+
+
+_BLANK = object()  # sentinel: a whitespace-only jsonl line, skipped and counted
+
+
+def _read_jsonl(data: bytes) -> Iterator[SourceRow]:
+    for i, line in enumerate(data.split(b"\n")):
+        if i == 0 and line.startswith(b"\xef\xbb\xbf"):
+            line = line[3:]
+        if line.endswith(b"\r"):
+            line = line[:-1]
+        try:
+            text = line.decode("utf-8")
+        except UnicodeDecodeError as e:
+            yield SourceRow(i, line.decode("utf-8", "backslashreplace"),
+                            error=RowRejected("json", f"line is not valid UTF-8 ({e.reason} at byte {e.start})"))
+            continue
+        if not text.strip():
+            yield SourceRow(i, text, error=None, value=_BLANK)
+            continue
+        try:
+            yield SourceRow(i, text, value=json.loads(text))
+        except json.JSONDecodeError as e:
+            yield SourceRow(i, text, error=RowRejected("json", f"invalid JSON: {e.msg} at column {e.colno}"))
+
+
+def read_source_rows(path: str | Path) -> list[SourceRow]:
+    """Every row of one source file. Raises SourceError when the file as a whole is unreadable."""
+    path = str(path)
+    kind = file_kind(path)
+    p = Path(path)
+    if not p.is_file():
+        raise SourceError(f"{path}: source file not found (cwd-relative paths; cwd = {Path.cwd()})")
+    try:
+        if kind == "parquet":
+            table = pq.read_table(p)
+            return [SourceRow(i, _raw_json(r), value=r) for i, r in enumerate(table.to_pylist())]
+        data = gzip.decompress(p.read_bytes()) if kind.endswith(".gz") else p.read_bytes()
+    except (OSError, EOFError, pa.ArrowException) as e:
+        raise SourceError(f"{path}: cannot read {kind} file: {e}") from e
+    if kind.startswith("jsonl"):
+        rows = list(_read_jsonl(data))
+        if rows and rows[-1].value is _BLANK and rows[-1].raw == "":
+            rows.pop()  # the final newline does not start another line
+        return rows
+    try:
+        doc = json.loads(data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SourceError(f"{path}: not a valid JSON document ({e}); one object per line needs a .jsonl name") from e
+    if not isinstance(doc, list):
+        raise SourceError(f"{path}: a .json source must be a list of row objects, got {_type(doc)}")
+    return [SourceRow(i, _raw_json(v), value=v) for i, v in enumerate(doc)]
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver: sources -> pairs, rejections, stats
+
+@dataclass
+class Normalized:
+    pairs: list[dict] = field(default_factory=list)       # pairs.parquet rows, sorted by pair_id
+    rejections: list[dict] = field(default_factory=list)  # rejections.parquet rows, source then row order
+    stats: dict = field(default_factory=dict)
+
+
+def check_source_spec(spec: dict, index: int) -> None:
+    where = f"data.sources[{index}] ({spec.get('name', '?')})"
+    for key in ("name", "path", "format"):
+        if not isinstance(spec.get(key), str) or not spec[key]:
+            raise SourceError(f"{where}: '{key}' must be a non-empty string")
+    if spec["format"] not in FORMATS:
+        raise SourceError(f"{where}: unknown format {spec['format']!r} (expected one of {FORMATS})")
+    cols = spec.get("columns")
+    if spec["format"] == "columns":
+        if not isinstance(cols, dict) or "chosen" not in cols or "rejected" not in cols:
+            raise SourceError(f"{where}: format 'columns' needs a columns mapping with at least chosen and rejected")
+    elif cols is not None:
+        raise SourceError(f"{where}: a columns mapping is only used with format 'columns' (format is "
+                          f"{spec['format']!r})")
+
+
+def normalize_sources(sources: list[dict], base_dir: str | Path = ".") -> Normalized:
+    """Read and normalize every source in order; duplicates keep the first (source, row)."""
+    for i, spec in enumerate(sources):
+        check_source_spec(spec, i)
+    out = Normalized()
+    first_seen: dict[str, tuple[str, str, int]] = {}  # content_hash -> (source, file, row)
+    per_source = []
+    for spec in sources:
+        name, path, fmt = spec["name"], spec["path"], spec["format"]
+        rows = read_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
+        stat = {"name": name, "path": path, "format": fmt, "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
+                "rejected": {r: 0 for r in REASONS}, "parsed_as": {}}
+
+        def reject(row: SourceRow, err: RowRejected) -> None:
+            stat["rejected"][err.reason] += 1
+            out.rejections.append({"source": name, "src_file": path, "src_row": row.src_row, "reason": err.reason,
+                                   "detail": f"{path} row {row.src_row}: {err.detail}", "raw": row.raw})
+
+        for row in rows:
+            if row.value is _BLANK:
+                stat["blank_lines"] += 1
+                continue
+            stat["rows_in"] += 1
+            try:
+                if row.error is not None:
+                    raise row.error
+                pair = normalize_row(row.value, fmt, spec.get("columns"))
+                if pair.content_hash in first_seen:
+                    s, f, r = first_seen[pair.content_hash]
+                    raise RowRejected("duplicate", f"same prompt, chosen and rejected as {s} {f} row {r}")
+            except RowRejected as err:
+                reject(row, err)
+                continue
+            first_seen[pair.content_hash] = (name, path, row.src_row)
+            stat["parsed_as"][pair.fmt] = stat["parsed_as"].get(pair.fmt, 0) + 1
+            stat["pairs_out"] += 1
+            out.pairs.append({"pair_id": pair.pair_id, "content_hash": pair.content_hash, "source": name,
+                              "prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected,
+                              "margin": pair.margin, "src_file": path, "src_row": row.src_row})
+        stat["rejected_total"] = sum(stat["rejected"].values())
+        if stat["rows_in"] != stat["pairs_out"] + stat["rejected_total"]:  # nothing may be lost
+            raise AssertionError(f"{path}: rows_in {stat['rows_in']} != pairs_out {stat['pairs_out']} "
+                                 f"+ rejected {stat['rejected_total']}")
+        per_source.append(stat)
+
+    out.pairs.sort(key=lambda p: p["pair_id"])
+    for a, b in zip(out.pairs, out.pairs[1:]):
+        if a["pair_id"] == b["pair_id"]:  # distinct content, same 96-bit prefix: refuse, never merge
+            raise AssertionError(f"pair_id collision {a['pair_id']}: {a['content_hash']} vs {b['content_hash']}")
+    totals = {"sources": len(per_source), "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
+              "rejected": {r: 0 for r in REASONS}, "rejected_total": 0}
+    for s in per_source:
+        for k in ("rows_in", "blank_lines", "pairs_out", "rejected_total"):
+            totals[k] += s[k]
+        for r, n in s["rejected"].items():
+            totals["rejected"][r] += n
+    out.stats = {"sources": per_source, "totals": totals}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Tables and CLI
+
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+PAIRS_SCHEMA = pa.schema([
+    ("pair_id", pa.string()), ("content_hash", pa.string()), ("source", pa.string()),
+    ("prompt", MESSAGES), ("chosen", MESSAGES), ("rejected", MESSAGES), ("margin", pa.float64()),
+    ("src_file", pa.string()), ("src_row", pa.int64()),
+])
+REJECTIONS_SCHEMA = pa.schema([
+    ("source", pa.string()), ("src_file", pa.string()), ("src_row", pa.int64()),
+    ("reason", pa.string()), ("detail", pa.string()), ("raw", pa.string()),
+])
+
+
+def pairs_table(pairs: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(pairs, schema=PAIRS_SCHEMA)
+
+
+def rejections_table(rejections: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rejections, schema=REJECTIONS_SCHEMA)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.normalize", description=__doc__.split("\n")[0])
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--pairs", required=True, help="output pairs.parquet")
+    ap.add_argument("--rejections", required=True, help="output rejections.parquet")
+    ap.add_argument("--stats", required=True, help="output normalize_stats.json")
+    ap.add_argument("--log", default=None, help="log file (also logs to stderr)")
+    args = ap.parse_args(argv)
+    log = setup_logging(args.log, "normalize")
+
+    params = load_params(args.params)
+    try:
+        result = normalize_sources(params["data"]["sources"])
+    except SourceError as e:
+        log.error("%s", e)
+        raise SystemExit(f"normalize: {e}") from None
+    for s in result.stats["sources"]:
+        reasons = {r: n for r, n in s["rejected"].items() if n}
+        log.info("source %s (%s, %s): rows_in=%d pairs_out=%d rejected=%d %s", s["name"], s["path"], s["format"],
+                 s["rows_in"], s["pairs_out"], s["rejected_total"], reasons or "")
+    # The stats file last: it is the summary of outputs that already exist in full.
+    write_parquet(args.pairs, pairs_table(result.pairs))
+    write_parquet(args.rejections, rejections_table(result.rejections))
+    write_json(args.stats, result.stats)
+    t = result.stats["totals"]
+    log.info("wrote %d pairs to %s, %d rejections to %s", t["pairs_out"], args.pairs, t["rejected_total"],
+             args.rejections)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

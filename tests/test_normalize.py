@@ -1,0 +1,492 @@
+"""stages.normalize: every format, every rejection reason, readers, real HH-RLHF, determinism, CLI."""
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import yaml
+
+from stages.normalize import (REASONS, RowRejected, SourceError, main, normalize_row, normalize_sources,
+                              read_source_rows, split_implicit_strings)
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def U(c):
+    return {"role": "user", "content": c}
+
+
+def A(c):
+    return {"role": "assistant", "content": c}
+
+
+def S(c):
+    return {"role": "system", "content": c}
+
+
+def triple(pair):
+    return pair.prompt, pair.chosen, pair.rejected
+
+
+def write_jsonl(path: Path, rows, gz=False):
+    text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows)
+    if gz:
+        path.write_bytes(gzip.compress(text.encode("utf-8"), mtime=0))
+    else:
+        path.write_text(text, encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# Accepted rows, one or more per format
+
+HH_ROW = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Paris.",
+          "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Lyon."}
+HH_PROMPT = [U("Hi"), A("Hello!"), U("Capital of France?")]
+
+
+def test_hh_splits_at_last_shared_assistant_marker():
+    assert triple(normalize_row(HH_ROW, "hh")) == (HH_PROMPT, [A("Paris.")], [A("Lyon.")])
+
+
+def test_hh_shared_text_after_the_marker_stays_in_the_completion():
+    # Both completions start with "I think": the split is still at the marker, not the divergence.
+    row = {"chosen": "\n\nHuman: Q?\n\nAssistant: I think yes.", "rejected": "\n\nHuman: Q?\n\nAssistant: I think no."}
+    assert triple(normalize_row(row, "hh")) == ([U("Q?")], [A("I think yes.")], [A("I think no.")])
+
+
+def test_hh_only_one_leading_space_is_dropped():
+    row = {"chosen": "\n\nHuman: Q\n\nAssistant:  two spaces", "rejected": "\n\nHuman: Q\n\nAssistant: one"}
+    assert triple(normalize_row(row, "hh"))[1:] == ([A(" two spaces")], [A("one")])
+
+
+def test_trl_standard_explicit_prompt():
+    row = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
+    assert triple(normalize_row(row, "trl")) == ([U("The sky is")], [A(" blue.")], [A(" green.")])
+
+
+def test_trl_standard_implicit_prompt_follows_extract_prompt():
+    row = {"chosen": "The sky is blue.", "rejected": "The sky is green."}
+    assert triple(normalize_row(row, "trl")) == ([U("The sky is")], [A(" blue.")], [A(" green.")])
+    # divergence not after a space: no back-off
+    assert split_implicit_strings("abcX", "abcY") == ("abc", "X", "Y")
+
+
+def test_common_prefix_len_matches_a_plain_scan():
+    import random
+    from stages.normalize import _common_prefix_len
+    rng = random.Random(0)
+    for _ in range(500):
+        a = "".join(rng.choice("ab") for _ in range(rng.randint(0, 9)))
+        b = "".join(rng.choice("ab") for _ in range(rng.randint(0, 9)))
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        assert _common_prefix_len(a, b) == n == _common_prefix_len(list(a), list(b))
+
+
+def test_trl_conversational_explicit_and_implicit():
+    prompt = [S("Be brief."), U("Sky colour?")]
+    explicit = {"prompt": prompt, "chosen": [A("Blue.")], "rejected": [A("Green.")]}
+    implicit = {"chosen": prompt + [A("Blue.")], "rejected": prompt + [A("Green.")]}
+    want = (prompt, [A("Blue.")], [A("Green.")])
+    assert triple(normalize_row(explicit, "trl")) == want
+    assert triple(normalize_row(implicit, "trl")) == want
+    # same content -> same pair id, whatever the spelling
+    assert normalize_row(explicit, "trl").content_hash == normalize_row(implicit, "trl").content_hash
+
+
+def test_sharegpt_object_string_and_system():
+    row = {"system": "Be nice.",
+           "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hey"},
+                             {"from": "user", "value": "2+2?"}],
+           "chosen": {"from": "gpt", "value": "4"}, "rejected": "5"}
+    assert triple(normalize_row(row, "sharegpt")) == ([S("Be nice."), U("Hi"), A("Hey"), U("2+2?")], [A("4")], [A("5")])
+
+
+def test_openai_preference_row():
+    row = {"input": {"messages": [U("Hello")], "tools": [], "parallel_tool_calls": True},
+           "preferred_output": [A("Hi there!")], "non_preferred_output": [A("Go away.")]}
+    assert triple(normalize_row(row, "openai")) == ([U("Hello")], [A("Hi there!")], [A("Go away.")])
+
+
+def test_columns_mapping_with_system_margin_and_implicit_prompt():
+    cols = {"prompt": "q", "chosen": "good", "rejected": "bad", "system": "sys", "margin": "m"}
+    row = {"q": "2+2?", "good": "4", "bad": "5", "sys": "Answer tersely.", "m": 3, "extra": 1}
+    pair = normalize_row(row, "columns", cols)
+    assert triple(pair) == ([S("Answer tersely."), U("2+2?")], [A("4")], [A("5")])
+    assert pair.margin == 3.0
+    row2 = {"q": [U("2+2?")], "good": [A("4")], "bad": "5", "sys": "", "m": None}
+    pair2 = normalize_row(row2, "columns", cols)
+    assert triple(pair2) == ([U("2+2?")], [A("4")], [A("5")]) and pair2.margin is None
+    implicit = normalize_row({"a": "Q: x? A: yes", "b": "Q: x? A: no"}, "columns", {"chosen": "a", "rejected": "b"})
+    assert triple(implicit) == ([U("Q: x? A:")], [A(" yes")], [A(" no")])
+
+
+@pytest.mark.parametrize("row, fmt", [
+    (HH_ROW, "hh"),
+    ({"chosen": "The sky is blue.", "rejected": "The sky is green."}, "trl"),
+    ({"prompt": "p", "chosen": "a", "rejected": "b", "x": HH_ROW["chosen"]}, "trl"),
+    ({"prompt": "Q", "chosen": HH_ROW["chosen"], "rejected": HH_ROW["rejected"]}, "trl"),  # explicit prompt: not hh
+    ({"conversations": [{"from": "human", "value": "Hi"}], "chosen": "a", "rejected": "b"}, "sharegpt"),
+    ({"input": {"messages": [U("Hi")]}, "preferred_output": [A("a")], "non_preferred_output": [A("b")]}, "openai"),
+])
+def test_auto_detects_the_format_from_keys(row, fmt):
+    pair = normalize_row(row, "auto")
+    assert pair.fmt == fmt
+    assert triple(pair) == triple(normalize_row(row, fmt))
+
+
+# ----------------------------------------------------------------------------------------------
+# Rejected rows: each with its exact reason code
+
+CONV = [U("Q?")]
+BAD_ROWS = [
+    # non-object rows, null, wrong types, missing keys
+    ("trl", None, "schema"),
+    ("trl", [1, 2], "schema"),
+    ("trl", "just a string", "schema"),
+    ("trl", 42, "schema"),
+    ("trl", {"prompt": "p", "chosen": "a"}, "schema"),
+    ("trl", {"prompt": "p", "chosen": 1, "rejected": "b"}, "schema"),
+    ("trl", {"prompt": None, "chosen": "a", "rejected": "b"}, "schema"),
+    ("trl", {"prompt": {"role": "user", "content": "Q"}, "chosen": "a", "rejected": "b"}, "schema"),
+    ("trl", {"chosen": "abc", "rejected": [A("x")]}, "schema"),
+    ("trl", {"prompt": CONV, "chosen": ["a"], "rejected": [A("b")]}, "schema"),
+    ("trl", {"prompt": CONV, "chosen": [None], "rejected": [A("b")]}, "schema"),
+    ("trl", {"prompt": [{"role": "user", "content": "Q", "name": "bob"}], "chosen": "a", "rejected": "b"}, "schema"),
+    ("hh", {"chosen": None, "rejected": "x"}, "schema"),
+    ("hh", {"chosen": ["\n\nHuman: a"], "rejected": "x"}, "schema"),
+    ("sharegpt", {"conversations": "hi", "chosen": "a", "rejected": "b"}, "schema"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "Q"}], "chosen": 7, "rejected": "b"}, "schema"),
+    ("openai", {"input": [U("Q")], "preferred_output": [A("a")], "non_preferred_output": [A("b")]}, "schema"),
+    ("openai", {"input": {"messages": CONV}, "preferred_output": A("a"), "non_preferred_output": [A("b")]}, "schema"),
+    ("auto", {"question": "Q", "answer": "A"}, "schema"),
+    ("auto", {}, "schema"),
+    # roles
+    ("trl", {"prompt": [{"content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [{"role": None, "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [{"role": 1, "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [{"role": "bot", "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [{"role": "tool", "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [U("Q"), S("late system")], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [U("Q"), U("Q again")], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [A("Hi"), U("Q")], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [U("Q"), A("partial")], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": [S("only system")], "chosen": "a", "rejected": "b"}, "role"),
+    ("trl", {"prompt": CONV, "chosen": [U("a")], "rejected": [A("b")]}, "role"),
+    ("trl", {"prompt": CONV, "chosen": [A("a"), A("more")], "rejected": [A("b")]}, "role"),
+    ("trl", {"chosen": [U("Q"), A("a")], "rejected": [U("Q"), U("b")]}, "role"),
+    ("hh", {"chosen": "Preamble\n\nHuman: Q\n\nAssistant: a", "rejected": "Preamble\n\nHuman: Q\n\nAssistant: b"}, "role"),
+    ("hh", {"chosen": "\n\nHuman: Q\n\nAssistant: a\n\nHuman: more", "rejected": "\n\nHuman: Q\n\nAssistant: b"}, "role"),
+    ("hh", {"chosen": "\n\nHuman: Q\n\nHuman: Q2\n\nAssistant: a", "rejected": "\n\nHuman: Q\n\nHuman: Q2\n\nAssistant: b"}, "role"),
+    ("sharegpt", {"conversations": [{"from": "robot", "value": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("sharegpt", {"conversations": [{"value": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "human", "value": "a"},
+                  "rejected": "b"}, "role"),
+    ("openai", {"input": {"messages": CONV}, "preferred_output": [U("a")], "non_preferred_output": [A("b")]}, "role"),
+    # content types
+    ("trl", {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}, "content_type"),
+    ("trl", {"prompt": [{"role": "user", "content": None}], "chosen": "a", "rejected": "b"}, "content_type"),
+    ("trl", {"prompt": [{"role": "user", "content": 5}], "chosen": "a", "rejected": "b"}, "content_type"),
+    ("trl", {"prompt": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}], "chosen": "a",
+             "rejected": "b"}, "content_type"),
+    ("trl", {"prompt": CONV, "chosen": [{"role": "assistant", "content": {"t": 1}}], "rejected": "b"}, "content_type"),
+    ("trl", {"prompt": "Q", "chosen": "a\ud800", "rejected": "b"}, "content_type"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": 3}], "chosen": "a", "rejected": "b"}, "content_type"),
+    ("columns", {"q": "Q", "c": "a", "r": "b", "s": 1}, "content_type"),
+    # empty prompt / completion
+    ("trl", {"prompt": [], "chosen": "a", "rejected": "b"}, "empty_prompt"),
+    ("trl", {"prompt": "   ", "chosen": "a", "rejected": "b"}, "empty_prompt"),
+    ("trl", {"prompt": [U(""), A("x"), U("Q")], "chosen": "a", "rejected": "b"}, "empty_prompt"),
+    ("trl", {"prompt": [S(" "), U("Q")], "chosen": "a", "rejected": "b"}, "empty_prompt"),
+    ("hh", {"chosen": "\n\nAssistant: a", "rejected": "\n\nAssistant: b"}, "empty_prompt"),
+    ("trl", {"prompt": "Q", "chosen": "", "rejected": "b"}, "empty_completion"),
+    ("trl", {"prompt": "Q", "chosen": "a", "rejected": " \n"}, "empty_completion"),
+    ("trl", {"prompt": CONV, "chosen": [], "rejected": [A("b")]}, "empty_completion"),
+    ("trl", {"chosen": "Same start", "rejected": "Same start and more"}, "empty_completion"),
+    ("hh", {"chosen": "\n\nHuman: Q\n\nAssistant: ", "rejected": "\n\nHuman: Q\n\nAssistant: b"}, "empty_completion"),
+    ("openai", {"input": {"messages": CONV}, "preferred_output": [], "non_preferred_output": [A("b")]}, "empty_completion"),
+    # chosen == rejected
+    ("trl", {"prompt": "Q", "chosen": "same", "rejected": "same"}, "identical_pair"),
+    ("trl", {"prompt": "Q", "chosen": "same", "rejected": "same  "}, "identical_pair"),
+    ("trl", {"chosen": "Q? yes", "rejected": "Q? yes"}, "identical_pair"),
+    ("trl", {"chosen": [U("Q"), A("a")], "rejected": [U("Q"), A("a")]}, "identical_pair"),
+    ("hh", {"chosen": HH_ROW["chosen"], "rejected": HH_ROW["chosen"]}, "identical_pair"),
+    ("sharegpt", {"conversations": [{"from": "human", "value": "Q"}], "chosen": "a", "rejected": {"from": "gpt",
+                                                                                               "value": "a"}}, "identical_pair"),
+    # no shared prompt
+    ("hh", {"chosen": "\n\nHuman: Q1\n\nAssistant: a", "rejected": "\n\nHuman: Q2\n\nAssistant: b"}, "no_shared_prompt"),
+    ("hh", {"chosen": "no markers a", "rejected": "no markers b"}, "no_shared_prompt"),
+    ("trl", {"chosen": "apple", "rejected": "banana"}, "no_shared_prompt"),
+    ("trl", {"chosen": [U("Q1"), A("a")], "rejected": [U("Q2"), A("b")]}, "no_shared_prompt"),
+    # margin
+    ("columns", {"q": "Q", "c": "a", "r": "b", "m": "high"}, "margin"),
+    ("columns", {"q": "Q", "c": "a", "r": "b", "m": True}, "margin"),
+    ("columns", {"q": "Q", "c": "a", "r": "b", "m": float("nan")}, "margin"),
+    ("columns", {"q": "Q", "c": "a", "r": "b", "m": float("inf")}, "margin"),
+    ("columns", {"q": "Q", "c": "a", "m": 1.0}, "schema"),  # mapped column missing from the row
+]
+COLS = {"q": {"prompt": "q", "chosen": "c", "rejected": "r", "system": "s"},
+        "m": {"prompt": "q", "chosen": "c", "rejected": "r", "margin": "m"}}
+
+
+@pytest.mark.parametrize("fmt, row, reason", BAD_ROWS, ids=[f"{i}-{r}" for i, (_, _, r) in enumerate(BAD_ROWS)])
+def test_bad_row_is_rejected_with_exact_reason(fmt, row, reason):
+    cols = None
+    if fmt == "columns":
+        cols = COLS["m"] if "m" in row else COLS["q"]
+    with pytest.raises(RowRejected) as e:
+        normalize_row(row, fmt, cols)
+    assert e.value.reason == reason, e.value.detail
+    assert e.value.detail
+
+
+def test_every_reason_code_is_exercised():
+    covered = {r for _, _, r in BAD_ROWS} | {"json", "duplicate"}  # json/duplicate: file-level tests below
+    assert covered == set(REASONS)
+
+
+def test_unknown_reason_code_cannot_be_raised():
+    with pytest.raises(ValueError):
+        RowRejected("oops", "not a code")
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources: readers, provenance, duplicates, accounting
+
+def test_jsonl_rows_bad_json_blank_lines_and_provenance(tmp_path):
+    good = {"prompt": "Q1", "chosen": "a", "rejected": "b"}
+    lines = [good, "{not json", "", "null", "[1, 2]", '"text"', {"prompt": "Q2", "chosen": "a", "rejected": "a"},
+             good, {"prompt": "Q3", "chosen": "c", "rejected": "d"}]
+    path = write_jsonl(tmp_path / "d.jsonl", lines)
+    res = normalize_sources([{"name": "s", "path": str(path), "format": "trl"}])
+    got = {(r["src_row"], r["reason"]) for r in res.rejections}
+    assert got == {(1, "json"), (3, "schema"), (4, "schema"), (5, "schema"), (6, "identical_pair"), (7, "duplicate")}
+    assert sorted(p["src_row"] for p in res.pairs) == [0, 8]
+    bad = next(r for r in res.rejections if r["src_row"] == 1)
+    assert bad["raw"] == "{not json" and bad["source"] == "s" and bad["src_file"] == str(path)
+    assert "row 1" in bad["detail"]
+    dup = next(r for r in res.rejections if r["reason"] == "duplicate")
+    assert "row 0" in dup["detail"]
+    s = res.stats["sources"][0]
+    assert (s["rows_in"], s["blank_lines"], s["pairs_out"], s["rejected_total"]) == (8, 1, 2, 6)
+    assert s["rejected"]["schema"] == 3 and s["rejected"]["json"] == 1
+
+
+def test_raw_is_the_untruncated_original_line(tmp_path):
+    long = {"prompt": "Q" * 5000, "chosen": "same", "rejected": "same", "note": "é"}
+    line = json.dumps(long, ensure_ascii=False)
+    path = write_jsonl(tmp_path / "d.jsonl", [line])
+    res = normalize_sources([{"name": "s", "path": str(path), "format": "trl"}])
+    assert res.rejections[0]["raw"] == line
+
+
+def test_duplicates_across_sources_keep_the_first_source(tmp_path):
+    row = {"prompt": "Q", "chosen": "a", "rejected": "b"}
+    first = write_jsonl(tmp_path / "one.jsonl", [row])
+    conv = {"prompt": [U("Q")], "chosen": [A("a")], "rejected": [A("b")]}  # same content, other spelling
+    second = write_jsonl(tmp_path / "two.jsonl", [{"x": 1}, conv])
+    res = normalize_sources([{"name": "one", "path": str(first), "format": "trl"},
+                             {"name": "two", "path": str(second), "format": "trl"}])
+    assert [(p["source"], p["src_row"]) for p in res.pairs] == [("one", 0)]
+    assert [(r["source"], r["src_row"], r["reason"]) for r in res.rejections] == [("two", 0, "schema"),
+                                                                                   ("two", 1, "duplicate")]
+    assert res.stats["totals"]["rows_in"] == 3 and res.stats["totals"]["rejected"]["duplicate"] == 1
+
+
+def test_json_parquet_and_jsonl_gz_readers_agree(tmp_path):
+    rows = [{"prompt": [U(f"Q{i}")], "chosen": [A(f"yes {i}")], "rejected": [A(f"no {i}")]} for i in range(5)]
+    rows[2] = {"prompt": [U("Q2")], "chosen": [A("same")], "rejected": [A("same")]}
+    (tmp_path / "d.json").write_text(json.dumps(rows), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    write_jsonl(tmp_path / "d.jsonl.gz", rows, gz=True)
+    results = {}
+    for name in ("d.json", "d.parquet", "d.jsonl.gz"):
+        results[name] = normalize_sources([{"name": "s", "path": name, "format": "auto"}], base_dir=tmp_path)
+    for res in results.values():
+        assert [p["src_row"] for p in sorted(res.pairs, key=lambda p: p["src_row"])] == [0, 1, 3, 4]
+        assert [(r["src_row"], r["reason"]) for r in res.rejections] == [(2, "identical_pair")]
+    ids = {name: [p["pair_id"] for p in res.pairs] for name, res in results.items()}
+    assert ids["d.json"] == ids["d.parquet"] == ids["d.jsonl.gz"]
+    # parquet structs with null extra fields (schema unification) are accepted; raw keeps the row
+    assert json.loads(results["d.parquet"].rejections[0]["raw"])["chosen"] == [A("same")]
+
+
+def test_parquet_null_extra_struct_fields_are_tolerated_but_values_are_not(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "Q", "name": None}], "chosen": "a", "rejected": "b"},
+            {"prompt": [{"role": "user", "content": "Q2", "name": "bob"}], "chosen": "a", "rejected": "b"}]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet")
+    res = normalize_sources([{"name": "s", "path": "d.parquet", "format": "trl"}], base_dir=tmp_path)
+    assert [p["src_row"] for p in res.pairs] == [0]
+    assert [(r["src_row"], r["reason"]) for r in res.rejections] == [(1, "schema")]
+
+
+@pytest.mark.parametrize("name, content, match", [
+    ("missing.jsonl", None, "not found"),
+    ("d.csv", "a,b\n", "unknown file type"),
+    ("d.json", '{"chosen": "a"}', "must be a list"),
+    ("d.json", "{broken", "not a valid JSON document"),
+    ("d.jsonl.gz", b"not gzip at all", "cannot read"),
+    ("d.parquet", b"PAR1 garbage", "cannot read"),
+])
+def test_unreadable_file_fails_naming_the_file(tmp_path, name, content, match):
+    if isinstance(content, str):
+        (tmp_path / name).write_text(content)
+    elif isinstance(content, bytes):
+        (tmp_path / name).write_bytes(content)
+    with pytest.raises(SourceError, match=match) as e:
+        read_source_rows(tmp_path / name)
+    assert name in str(e.value)
+
+
+def test_source_spec_errors(tmp_path):
+    path = write_jsonl(tmp_path / "d.jsonl", [{"a": "x", "b": "y"}])
+    with pytest.raises(SourceError, match="needs a columns mapping"):
+        normalize_sources([{"name": "s", "path": str(path), "format": "columns"}])
+    with pytest.raises(SourceError, match="only used with format 'columns'"):
+        normalize_sources([{"name": "s", "path": str(path), "format": "trl", "columns": {"chosen": "a", "rejected": "b"}}])
+
+
+def test_pair_id_is_the_content_hash_prefix():
+    pair = normalize_row({"prompt": "Q", "chosen": "a", "rejected": "b"}, "trl")
+    blob = json.dumps({"prompt": [U("Q")], "chosen": [A("a")], "rejected": [A("b")]},
+                      sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    assert pair.content_hash == hashlib.sha256(blob.encode()).hexdigest()
+    assert pair.pair_id == pair.content_hash[:24]
+
+
+# ----------------------------------------------------------------------------------------------
+# Real HH-RLHF
+
+def hh_render(messages):
+    return "".join(f"\n\n{'Human' if m['role'] == 'user' else 'Assistant'}: {m['content']}" for m in messages)
+
+
+def test_real_hh_rlhf_every_row_is_a_pair_or_a_reasoned_rejection(hh_rlhf_path):
+    with gzip.open(hh_rlhf_path, "rt", encoding="utf-8") as f:
+        originals = [json.loads(line) for line in f]
+    res = normalize_sources([{"name": "hh", "path": str(hh_rlhf_path), "format": "hh"}])
+    s = res.stats["sources"][0]
+    assert s["rows_in"] == len(originals) == 2312
+    pair_rows = [p["src_row"] for p in res.pairs]
+    rej_rows = [r["src_row"] for r in res.rejections]
+    assert sorted(pair_rows + rej_rows) == list(range(2312))  # each row exactly once
+    assert s["pairs_out"] == len(pair_rows) and s["rejected_total"] == len(rej_rows)
+    assert all(r["reason"] in REASONS and r["detail"] for r in res.rejections)
+    assert len(res.pairs) > 2200
+    for p in res.pairs:
+        o = originals[p["src_row"]]
+        # exact round trip: prompt + completion re-render each original transcript
+        assert hh_render(p["prompt"] + p["chosen"]) == o["chosen"]
+        assert hh_render(p["prompt"] + p["rejected"]) == o["rejected"]
+        # and the split is at the LAST shared marker: the completions share no further marker
+        c, r = " " + p["chosen"][0]["content"], " " + p["rejected"][0]["content"]
+        n = 0
+        while n < min(len(c), len(r)) and c[n] == r[n]:
+            n += 1
+        assert "\n\nAssistant:" not in c[:n]
+    by_reason = {k: v for k, v in s["rejected"].items() if v}
+    print(f"\nHH-RLHF: rows_in={s['rows_in']} pairs_out={s['pairs_out']} rejected={by_reason}")
+
+
+def test_real_hh_row_prompt_split(hh_rlhf_path):
+    with gzip.open(hh_rlhf_path, "rt", encoding="utf-8") as f:
+        row = json.loads(f.readline())
+    pair = normalize_row(row, "hh")
+    assert pair.prompt[:3] == [U("what are some pranks with a pen i can do?"),
+                               A("Are you looking for practical joke ideas?"), U("yep")]
+    assert pair.prompt[-1]["role"] == "user"
+    last_user = pair.prompt[-1]["content"]
+    head = f"\n\nHuman: {last_user}\n\nAssistant: "
+    assert row["chosen"].endswith(head + pair.chosen[0]["content"])
+    assert row["rejected"].endswith(head + pair.rejected[0]["content"])
+    assert pair.chosen != pair.rejected
+
+
+# ----------------------------------------------------------------------------------------------
+# CLI end to end, determinism
+
+def make_project(tmp_path: Path) -> Path:
+    """A tmp working dir with a params.yaml shaped like the repo's, sources in several formats."""
+    data = tmp_path / "data"
+    data.mkdir()
+    write_jsonl(data / "trl.jsonl", [{"prompt": f"Q{i}?", "chosen": f" yes{i}", "rejected": f" no{i}"} for i in range(6)]
+                + ["{oops", {"prompt": "Q0?", "chosen": " yes0", "rejected": " no0"}])
+    write_jsonl(data / "hh.jsonl.gz", [HH_ROW, {"chosen": "\n\nHuman: A\n\nAssistant: a",
+                                              "rejected": "\n\nHuman: B\n\nAssistant: b"}], gz=True)
+    (data / "sg.json").write_text(json.dumps([
+        {"conversations": [{"from": "human", "value": "Hi"}], "chosen": {"from": "gpt", "value": "Hello"},
+         "rejected": {"from": "gpt", "value": "Bye"}}, None]), encoding="utf-8")
+    pq.write_table(pa.Table.from_pylist([{"question": "2+2?", "good": "4", "bad": "5", "score": 0.5},
+                                         {"question": "3+3?", "good": "6", "bad": "6", "score": 1.0}]),
+                   data / "cols.parquet")
+    with open(REPO_ROOT / "params.yaml", encoding="utf-8") as f:
+        params = yaml.safe_load(f)
+    params["data"]["sources"] = [
+        {"name": "trl_src", "path": "data/trl.jsonl", "format": "trl"},
+        {"name": "hh_src", "path": "data/hh.jsonl.gz", "format": "auto"},
+        {"name": "sg_src", "path": "data/sg.json", "format": "sharegpt"},
+        {"name": "col_src", "path": "data/cols.parquet", "format": "columns",
+         "columns": {"prompt": "question", "chosen": "good", "rejected": "bad", "margin": "score"}},
+    ]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False), encoding="utf-8")
+    return tmp_path
+
+
+def cli_args(out: str) -> list[str]:
+    return ["--params", "params.yaml", "--pairs", f"{out}/pairs.parquet", "--rejections", f"{out}/rejections.parquet",
+            "--stats", f"{out}/normalize_stats.json", "--log", f"{out}/normalize.log"]
+
+
+def test_cli_end_to_end(tmp_path):
+    proj = make_project(tmp_path)
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    run = subprocess.run([sys.executable, "-m", "stages.normalize", *cli_args("results/normalize")],
+                         cwd=proj, env=env, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    out = proj / "results" / "normalize"
+    pairs = pq.read_table(out / "pairs.parquet")
+    assert pairs.schema.field("prompt").type == pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+    assert pairs.schema.field("margin").type == pa.float64() and pairs.schema.field("src_row").type == pa.int64()
+    rows = pairs.to_pylist()
+    assert [r["pair_id"] for r in rows] == sorted(r["pair_id"] for r in rows)
+    assert sorted((r["source"], r["src_row"]) for r in rows) == (
+        [("col_src", 0), ("hh_src", 0), ("sg_src", 0)] + [("trl_src", i) for i in range(6)])
+    col = next(r for r in rows if r["source"] == "col_src")
+    assert col["margin"] == 0.5 and col["src_file"] == "data/cols.parquet"
+    assert all(r["margin"] is None for r in rows if r["source"] != "col_src")
+    rej = pq.read_table(out / "rejections.parquet").to_pylist()
+    assert [(r["source"], r["src_row"], r["reason"]) for r in rej] == [
+        ("trl_src", 6, "json"), ("trl_src", 7, "duplicate"), ("hh_src", 1, "no_shared_prompt"),
+        ("sg_src", 1, "schema"), ("col_src", 1, "identical_pair")]
+    stats = json.loads((out / "normalize_stats.json").read_text())
+    for s in stats["sources"]:
+        assert s["rows_in"] == s["pairs_out"] + sum(s["rejected"].values())
+    assert stats["totals"]["rows_in"] == 14 and stats["totals"]["pairs_out"] == 9
+    assert "trl_src" in (out / "normalize.log").read_text()
+
+
+def test_cli_is_byte_deterministic(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    monkeypatch.chdir(proj)
+    assert main(cli_args("run1")) == 0
+    assert main(cli_args("run2")) == 0
+    for name in ("pairs.parquet", "rejections.parquet", "normalize_stats.json"):
+        assert (proj / "run1" / name).read_bytes() == (proj / "run2" / name).read_bytes(), name
+
+
+def test_cli_fails_on_missing_source_and_writes_nothing(tmp_path, monkeypatch):
+    proj = make_project(tmp_path)
+    (proj / "data" / "sg.json").unlink()
+    monkeypatch.chdir(proj)
+    with pytest.raises(SystemExit, match="data/sg.json"):
+        main(cli_args("out"))
+    assert not (proj / "out" / "pairs.parquet").exists()
+    assert not (proj / "out" / "normalize_stats.json").exists()
