@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from stages.embedded_data import build_rows
-from stages.freeze_probe import LEAK, ProbeError, freeze_probe, main, probe_digest, prompt_key, selection_rank
+from stages.freeze_probe import LEAK, ProbeError, freeze_probe, probe_digest, prompt_key, selection_rank
 from stages.lib.io import read_json, read_parquet, sha256_file, sha256_json, write_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -100,7 +100,7 @@ def test_embedded_default_split(embedded_pairs):
     assert split.train.schema == split.probe.schema == embedded_pairs.schema
 
 
-def test_distinct_prompts_probe_is_lowest_ranks(embedded_pairs):
+def test_distinct_prompts_probe_is_lowest_ranks():
     """With one pair per prompt the probe is exactly the `size` lowest keyed-hash ranks, in order."""
     table = pairs_table([{"prompt": user(f"prompt {i}"), "chosen": bot("yes"), "rejected": bot("no")}
                          for i in range(300)])
