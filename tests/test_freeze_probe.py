@@ -1,0 +1,233 @@
+"""freeze_probe: order-independent seeded selection, prompt-leak exclusion, errors, the CLI."""
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import yaml
+
+from stages.embedded_data import build_rows
+from stages.freeze_probe import LEAK, ProbeError, freeze_probe, probe_digest, prompt_key, selection_rank
+from stages.lib.io import read_json, read_parquet, sha256_file, sha256_json, write_parquet
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
+PAIRS_SCHEMA = pa.schema([
+    ("pair_id", pa.string()), ("content_hash", pa.string()), ("source", pa.string()),
+    ("prompt", MESSAGES), ("chosen", MESSAGES), ("rejected", MESSAGES), ("margin", pa.float64()),
+    ("src_file", pa.string()), ("src_row", pa.int64()),
+])
+
+
+def pairs_table(rows: list[dict], source: str = "test") -> pa.Table:
+    """Rows {prompt, chosen, rejected} -> a pairs.parquet table in the normalize contract's schema."""
+    records = []
+    for i, r in enumerate(rows):
+        content = {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+        h = sha256_json(content)
+        records.append({"pair_id": h[:24], "content_hash": h, "source": source, **content,
+                        "margin": None, "src_file": f"{source}.jsonl", "src_row": i})
+    records.sort(key=lambda r: r["pair_id"])
+    return pa.Table.from_pylist(records, schema=PAIRS_SCHEMA)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def bot(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def shuffled(table: pa.Table, seed: int) -> pa.Table:
+    idx = list(range(table.num_rows))
+    random.Random(seed).shuffle(idx)
+    return table.take(pa.array(idx))
+
+
+@pytest.fixture(scope="module")
+def embedded_pairs() -> pa.Table:
+    return pairs_table(build_rows(), source="embedded")
+
+
+def leaky_rows() -> list[dict]:
+    """60 prompts, most with several pairs; some repeats differ only in whitespace."""
+    rows = []
+    for p in range(60):
+        for k in range(1 + p % 4):
+            text = f"Question {p}: what is   the answer?" if k == 2 else f"Question {p}: what is the answer?"
+            if k == 3:
+                text = f"  Question {p}:\nwhat is the answer? "
+            rows.append({"prompt": user(text), "chosen": bot(f"Answer {p}."), "rejected": bot(f"Wrong {p} {k}.")})
+    return rows
+
+
+# ==================================================================================================
+# Selection
+# ==================================================================================================
+
+
+def test_probe_is_independent_of_row_order(embedded_pairs, tmp_path):
+    outputs = []
+    for seed in (0, 1, 2):
+        split = freeze_probe(shuffled(embedded_pairs, seed), size=512, seed=20261202)
+        d = tmp_path / str(seed)
+        write_parquet(d / "train.parquet", split.train)
+        write_parquet(d / "probe.parquet", split.probe)
+        outputs.append((json.dumps(split.manifest, sort_keys=True),
+                        sha256_file(d / "train.parquet"), sha256_file(d / "probe.parquet")))
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_embedded_default_split(embedded_pairs):
+    split = freeze_probe(embedded_pairs, size=512, seed=20261202)
+    m = split.manifest
+    assert split.probe.num_rows == len(m["pair_ids"]) == 512
+    assert split.probe.column("pair_id").to_pylist() == m["pair_ids"]
+    assert split.probe.column("content_hash").to_pylist() == m["content_hashes"]
+    assert m["probe_digest"] == sha256_json([[p, c] for p, c in zip(m["pair_ids"], m["content_hashes"])])
+    assert split.train.num_rows == m["train_pairs"] >= 2000
+    # The embedded data repeats 300 prompts, so some probe prompts must have dragged a pair out of train.
+    assert len(m["excluded_from_train"]) > 0
+    assert split.train.num_rows + 512 + len(m["excluded_from_train"]) == embedded_pairs.num_rows
+    train_ids = split.train.column("pair_id").to_pylist()
+    assert train_ids == sorted(train_ids)
+    assert split.train.schema == split.probe.schema == embedded_pairs.schema
+
+
+def test_distinct_prompts_probe_is_lowest_ranks():
+    """With one pair per prompt the probe is exactly the `size` lowest keyed-hash ranks, in order."""
+    table = pairs_table([{"prompt": user(f"prompt {i}"), "chosen": bot("yes"), "rejected": bot("no")}
+                         for i in range(300)])
+    split = freeze_probe(table, size=40, seed=99)
+    expected = sorted(table.column("pair_id").to_pylist(), key=lambda p: selection_rank(99, p))[:40]
+    assert split.manifest["pair_ids"] == expected
+    assert split.manifest["excluded_from_train"] == []
+    assert split.train.num_rows == 260
+
+
+def test_seed_changes_probe(embedded_pairs):
+    a = freeze_probe(embedded_pairs, size=512, seed=1).manifest
+    b = freeze_probe(embedded_pairs, size=512, seed=2).manifest
+    assert a["probe_digest"] != b["probe_digest"]
+    assert set(a["pair_ids"]) != set(b["pair_ids"])
+    assert a["seed"] == 1 and b["seed"] == 2
+
+
+def test_no_probe_prompt_in_train():
+    table = pairs_table(leaky_rows())
+    assert len({prompt_key(p) for p in table.column("prompt").to_pylist()}) == 60
+    split = freeze_probe(shuffled(table, 3), size=25, seed=5)
+    probe_keys = [prompt_key(p) for p in split.probe.column("prompt").to_pylist()]
+    train_keys = {prompt_key(p) for p in split.train.column("prompt").to_pylist()}
+    assert len(set(probe_keys)) == 25  # one pair per prompt
+    assert not set(probe_keys) & train_keys
+    # Every pair that shares a probe prompt (whitespace variants included) is listed, none other.
+    excluded = split.manifest["excluded_from_train"]
+    by_id = {r["pair_id"]: prompt_key(r["prompt"]) for r in table.to_pylist()}
+    expected = sorted(pid for pid, key in by_id.items() if key in set(probe_keys)
+                      and pid not in split.manifest["pair_ids"])
+    assert [e["pair_id"] for e in excluded] == expected and expected
+    assert {e["reason"] for e in excluded} == {LEAK}
+    accounted = (split.train.column("pair_id").to_pylist() + split.manifest["pair_ids"]
+                 + [e["pair_id"] for e in excluded])
+    assert sorted(accounted) == sorted(by_id)
+
+
+def test_prompt_key_normalizes_whitespace_only():
+    assert prompt_key(user(" a  b\nc ")) == prompt_key(user("a b c"))
+    assert prompt_key(user("a b c")) != prompt_key(user("A b c"))
+    assert prompt_key(user("a b c")) != prompt_key([{"role": "system", "content": "a b c"}])
+
+
+# ==================================================================================================
+# Errors
+# ==================================================================================================
+
+
+def test_too_few_distinct_prompts():
+    table = pairs_table(leaky_rows())  # 150 pairs, 60 distinct prompts
+    with pytest.raises(ProbeError, match=r"60 distinct prompts \(150 pairs\) but probe.size is 61"):
+        freeze_probe(table, size=61, seed=0)
+    split = freeze_probe(table, size=60, seed=0)  # every prompt in the probe: train is empty
+    assert split.train.num_rows == 0 and split.probe.num_rows == 60
+
+
+def test_tampered_content_hash_is_refused():
+    rows = pairs_table(leaky_rows()).to_pylist()
+    rows[7]["chosen"] = bot("edited after hashing")
+    with pytest.raises(ProbeError, match=r"row 7 .*content_hash .* does not match"):
+        freeze_probe(pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA), size=5, seed=0)
+
+
+def test_duplicate_pair_id_is_refused():
+    table = pairs_table(leaky_rows())
+    with pytest.raises(ProbeError, match="duplicate pair_id"):
+        freeze_probe(pa.concat_tables([table, table.slice(0, 1)]), size=5, seed=0)
+
+
+def test_missing_column_is_refused():
+    with pytest.raises(ProbeError, match=r"missing column\(s\) \['content_hash'\]"):
+        freeze_probe(pairs_table(leaky_rows()).drop_columns(["content_hash"]), size=5, seed=0)
+
+
+# ==================================================================================================
+# CLI
+# ==================================================================================================
+
+
+def write_params(tmp_path: Path, size: int, seed: int) -> Path:
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["probe"] = {"size": size, "seed": seed}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def run_cli(tmp_path: Path, params: Path, pairs: Path, out: str) -> subprocess.CompletedProcess:
+    d = tmp_path / out
+    cmd = [sys.executable, "-m", "stages.freeze_probe", "--params", str(params), "--pairs", str(pairs),
+           "--train", str(d / "train.parquet"), "--probe", str(d / "probe.parquet"),
+           "--manifest", str(d / "probe_manifest.json"), "--log", str(d / "freeze_probe.log")]
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True)
+
+
+def test_cli_end_to_end(tmp_path):
+    table = pairs_table(leaky_rows())
+    pairs = tmp_path / "pairs.parquet"
+    write_parquet(pairs, table)
+    params = write_params(tmp_path, size=20, seed=11)
+
+    first = run_cli(tmp_path, params, pairs, "a")
+    assert first.returncode == 0, first.stderr
+    write_parquet(pairs, shuffled(table, 1))  # same pairs, other row order
+    assert run_cli(tmp_path, params, pairs, "b").returncode == 0
+    for name in ("train.parquet", "probe.parquet", "probe_manifest.json"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+    m = read_json(tmp_path / "a" / "probe_manifest.json")
+    assert set(m) == {"size", "seed", "selection", "pair_ids", "content_hashes", "probe_digest",
+                      "train_pairs", "excluded_from_train"}
+    assert (m["size"], m["seed"]) == (20, 11)
+    assert m["probe_digest"] == probe_digest(m["pair_ids"], m["content_hashes"])
+    probe = read_parquet(tmp_path / "a" / "probe.parquet")
+    train = read_parquet(tmp_path / "a" / "train.parquet")
+    assert probe.column("pair_id").to_pylist() == m["pair_ids"]
+    assert train.num_rows == m["train_pairs"]
+    assert probe.schema == train.schema == table.schema
+    assert "probe 20" in (tmp_path / "a" / "freeze_probe.log").read_text()
+
+
+def test_cli_too_few_prompts_fails_clearly(tmp_path):
+    pairs = tmp_path / "pairs.parquet"
+    write_parquet(pairs, pairs_table(leaky_rows()))
+    result = run_cli(tmp_path, write_params(tmp_path, size=512, seed=0), pairs, "out")
+    assert result.returncode != 0
+    assert "60 distinct prompts (150 pairs) but probe.size is 512" in result.stderr
+    assert not (tmp_path / "out" / "probe_manifest.json").exists()
+    assert not (tmp_path / "out" / "train.parquet").exists()
