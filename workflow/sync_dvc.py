@@ -9,15 +9,21 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
   `probe`; `train__lr=config["train"]["lr"]` becomes `train.lr` (`__` stands for the dot);
 * an output whose name starts with `metrics` is a DVC metric, `plots` a DVC plot (both kept in git,
   `cache: false`), an output named `persist_*` is kept across reruns (`persist: true`);
-* `log:` and `benchmark:` files are not DVC outs (they change on every run and prove nothing).
+* `log:` and `benchmark:` files are not DVC outs (they change on every run and prove nothing);
+* DVC's cmd is Snakemake's shell command followed by `--forget-snakemake-metadata OUTS`: a stage that
+  DVC reran (say after a params change) must not look stale to Snakemake's params/code triggers,
+  which read the metadata Snakemake recorded when it last built those files. Without metadata
+  Snakemake judges by file times only, which DVC's run just made current.
 
     python workflow/sync_dvc.py            # rewrite dvc.yaml
     python workflow/sync_dvc.py --check    # exit 1 if dvc.yaml differs from what the Snakefile says
     python workflow/sync_dvc.py --commit-lock  # after a Snakemake run: record its outputs in dvc.lock
+    python workflow/sync_dvc.py --forget-snakemake-metadata FILE...  # after DVC ran a stage
 """
 from __future__ import annotations
 
 import argparse
+import base64
 import difflib
 import shutil
 import subprocess
@@ -92,7 +98,9 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
                 outs.append({path: {"persist": True}})
             else:
                 outs.append(path)
-        stage = {"cmd": job["cmd"], "deps": job["deps"]}
+        forget = " ".join(job["unnamed_outputs"])
+        stage = {"cmd": f"{job['cmd']} && python workflow/sync_dvc.py --forget-snakemake-metadata {forget}",
+                 "deps": job["deps"]}
         params = sorted({_param_key(n, v, config) for n, v in job["params"].items() if not n.startswith("cli_")})
         if params:
             stage["params"] = params
@@ -125,13 +133,26 @@ def commit_lock(root: Path = ROOT, stage_names: list[str] | None = None) -> None
         subprocess.run(["dvc", "commit", "--force", "--quiet", *ready], cwd=root, check=True)
 
 
+def forget_snakemake_metadata(paths: list[str], root: Path = ROOT) -> None:
+    """Drop Snakemake's provenance records (`.snakemake/metadata/<base64 of path>`) for `paths`."""
+    meta = root / ".snakemake" / "metadata"
+    for p in paths:
+        record = meta / base64.b64encode(p.encode()).decode()
+        record.unlink(missing_ok=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="fail if dvc.yaml is out of date")
     mode.add_argument("--commit-lock", action="store_true", help="dvc commit the stages whose outputs exist")
+    mode.add_argument("--forget-snakemake-metadata", nargs="+", metavar="FILE",
+                      help="drop Snakemake's records for files DVC just rebuilt")
     args = ap.parse_args(argv)
     target = ROOT / "dvc.yaml"
+    if args.forget_snakemake_metadata:
+        forget_snakemake_metadata(args.forget_snakemake_metadata)
+        return 0
     if args.commit_lock:
         commit_lock()
         return 0
