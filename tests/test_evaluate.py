@@ -11,7 +11,6 @@ import scipy.stats
 import yaml
 
 from stages import evaluate as ev
-from stages.lib.io import write_json, write_jsonl
 from synthetic_probe import dpo_rows, make_probe, rm_rows, write_all
 
 REPO = Path(__file__).resolve().parents[1]
