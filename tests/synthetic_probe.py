@@ -1,0 +1,132 @@
+"""Synthetic inputs for evaluate/report tests, in the exact contract format of docs/ARTIFACTS.md:
+probe_manifest.json, probe_token_manifest.json (+ probe_tokens.parquet), per-pair probe JSONL at step 0
+and final for DPO and RM, train_log.csv, run_info.json and a stand-in model directory.
+
+Not a trainer: scores are drawn from a seeded generator so that the final checkpoint prefers chosen
+more often than step 0 (by `quality`). Also a script, so a DVC stage in a temp repo can run it:
+
+    python tests/synthetic_probe.py --params params.yaml --root .
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import socket
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import yaml
+
+from stages.lib.io import sha256_json, write_json, write_jsonl, write_parquet
+
+
+def make_probe(n: int, seed: int = 0) -> tuple[dict, dict, list[dict]]:
+    """(probe_manifest, probe_token_manifest, probe token rows) for n synthetic pairs."""
+    rng = np.random.default_rng(seed)
+    pair_ids, content_hashes, token_rows = [], [], []
+    for i in range(n):
+        content = {"prompt": [{"role": "user", "content": f"q{seed}-{i}"}],
+                   "chosen": [{"role": "assistant", "content": f"good {i}"}],
+                   "rejected": [{"role": "assistant", "content": f"bad {i}"}]}
+        ch = sha256_json(content)
+        pair_ids.append(ch[:24])
+        content_hashes.append(ch)
+        plen = int(rng.integers(3, 10))
+        prompt = rng.integers(0, 1000, plen).tolist()
+        chosen = prompt + rng.integers(0, 1000, int(rng.integers(1, 8))).tolist()
+        rejected = prompt + rng.integers(0, 1000, int(rng.integers(1, 8))).tolist()
+        token_rows.append({"pair_id": ch[:24], "chosen_ids": chosen, "chosen_prompt_len": plen,
+                           "rejected_ids": rejected, "rejected_prompt_len": plen, "margin": None,
+                           "token_hash": sha256_json([chosen, plen, rejected, plen])})
+    probe_digest = sha256_json([[p, h] for p, h in zip(pair_ids, content_hashes)])
+    probe_manifest = {"size": n, "seed": seed, "selection": "synthetic", "pair_ids": pair_ids,
+                      "content_hashes": content_hashes, "probe_digest": probe_digest, "train_pairs": 0,
+                      "excluded_from_train": []}
+    token_hashes = [r["token_hash"] for r in token_rows]
+    token_manifest = {"pair_ids": pair_ids, "token_hashes": token_hashes,
+                      "token_digest": sha256_json(token_hashes), "probe_digest": probe_digest,
+                      "tokenizer_identity": {"name": "synthetic"}}
+    return probe_manifest, token_manifest, token_rows
+
+
+def _correct(c: float, r: float) -> float:
+    return 1.0 if c > r else 0.0 if c < r else 0.5
+
+
+def dpo_rows(token_manifest: dict, beta: float, seed: int, quality: float, step0: bool,
+             reference_free: bool = False) -> list[dict]:
+    rng = np.random.default_rng([seed, 1])
+    rows = []
+    for i, (pid, th) in enumerate(zip(token_manifest["pair_ids"], token_manifest["token_hashes"])):
+        rc, rr = (0.0, 0.0) if reference_free else (float(-rng.uniform(20, 80)), float(-rng.uniform(20, 80)))
+        base_c, base_r = float(-rng.uniform(20, 80)), float(-rng.uniform(20, 80))
+        shift = float(rng.normal(quality, 1.0))  # drawn at step 0 too: same stream, same reference
+        pc, pr = (base_c, base_r) if reference_free else (rc, rr)  # policy == reference at step 0
+        if not step0:
+            pc, pr = pc + shift / 2, pr - shift / 2
+        cr, rj = beta * (pc - rc), beta * (pr - rr)
+        rows.append({"pair_id": pid, "index": i, "token_hash": th, "policy_chosen_logp": pc,
+                     "policy_rejected_logp": pr, "ref_chosen_logp": rc, "ref_rejected_logp": rr,
+                     "chosen_reward": cr, "rejected_reward": rj, "margin": cr - rj, "correct": _correct(cr, rj)})
+    return rows
+
+
+def rm_rows(token_manifest: dict, seed: int, quality: float, step0: bool) -> list[dict]:
+    rng = np.random.default_rng([seed, 2])
+    rows = []
+    for i, (pid, th) in enumerate(zip(token_manifest["pair_ids"], token_manifest["token_hashes"])):
+        cs, rs, shift = float(rng.normal()), float(rng.normal()), float(rng.normal(quality, 0.5))
+        if not step0:
+            cs += shift
+        rows.append({"pair_id": pid, "index": i, "token_hash": th, "chosen_score": cs, "rejected_score": rs,
+                     "margin": cs - rs, "correct": _correct(cs, rs)})
+    return rows
+
+
+def write_train_dir(out: Path, seed: int, steps: int = 12) -> None:
+    rng = np.random.default_rng([seed, 3])
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "train_log.csv", "w", newline="") as f:
+        w = csv.writer(f, lineterminator="\n")
+        w.writerow(["step", "loss", "accuracy", "margin", "lr", "grad_norm", "tokens_per_s"])
+        for s in range(1, steps + 1):
+            w.writerow([s, round(0.69 * np.exp(-s / 8) + rng.uniform(0, 0.02), 6), round(min(1, 0.5 + s / 30), 6),
+                        round(s / 10, 6), 1e-3, round(float(rng.uniform(0.5, 2)), 6), 1000 + s])
+    # run_info as a trainer might write it: environment next to things that must never reach the bundle.
+    write_json(out / "run_info.json", {
+        "world_size": 1, "backend": "gloo",
+        "environment": {"python": "3.11.9", "torch": "2.11.0+cu130", "transformers": "5.17.0",
+                        "cuda": "13.0", "gpu_name": "NVIDIA H200", "driver_version": "580.65.06"},
+        "hostname": socket.gethostname(), "output_dir": str(out.resolve()), "timings": {"total_s": 1.5}})
+    model = out / "model"
+    (model / "sub").mkdir(parents=True, exist_ok=True)
+    (model / "config.json").write_text(json.dumps({"seed": seed}))
+    (model / "model.safetensors").write_bytes(hashlib.sha256(str(seed).encode()).digest() * 64)
+    (model / "sub" / "optimizer.pt").write_bytes(b"optimizer-state" * 10)
+
+
+def write_all(root: Path, params: dict, quality: float = 0.8) -> None:
+    root = Path(root)
+    n, seed, beta = params["probe"]["size"], params["train"]["seed"], params["dpo"]["beta"]
+    probe_manifest, token_manifest, token_rows = make_probe(n, params["probe"]["seed"])
+    write_json(root / "results/probe/probe_manifest.json", probe_manifest)
+    write_json(root / "results/tokens/probe_token_manifest.json", token_manifest)
+    write_parquet(root / "results/tokens/probe_tokens.parquet", pa.Table.from_pylist(token_rows))
+    ref_free = params["dpo"]["objective"] == "dpo_ref_free"
+    for step0, name in ((True, "probe_step0.jsonl"), (False, "probe_final.jsonl")):
+        write_jsonl(root / "results/train_dpo" / name, dpo_rows(token_manifest, beta, seed, quality, step0, ref_free))
+        write_jsonl(root / "results/train_rm" / name, rm_rows(token_manifest, seed, quality, step0))
+    write_train_dir(root / "results/train_dpo", seed)
+    write_train_dir(root / "results/train_rm", seed + 1)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--params", required=True)
+    ap.add_argument("--root", default=".")
+    a = ap.parse_args()
+    with open(a.params) as f:
+        write_all(Path(a.root), yaml.safe_load(f))

@@ -1,0 +1,279 @@
+"""report: DVC-compatible hashes, a deterministic leak-free evidence bundle, and a real `dvc repro`
+in a temp git repo (synthetic inputs -> real evaluate CLI -> real report CLI) whose dvc.lock agrees
+with the bundle's manifest, whose `dvc metrics diff` shows the changed numbers and whose
+`dvc plots diff` renders."""
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stages import report as rp
+from synthetic_probe import write_all
+
+REPO = Path(__file__).resolve().parents[1]
+
+EVALUATE_CMD = (
+    "python -m stages.evaluate --params params.yaml --probe-manifest results/probe/probe_manifest.json"
+    " --probe-token-manifest results/tokens/probe_token_manifest.json"
+    " --dpo-step0 results/train_dpo/probe_step0.jsonl --dpo-final results/train_dpo/probe_final.jsonl"
+    " --rm-step0 results/train_rm/probe_step0.jsonl --rm-final results/train_rm/probe_final.jsonl"
+    " --metrics-dpo metrics/dpo.json --metrics-rm metrics/rm.json"
+    " --bootstrap results/evaluate/bootstrap_summary.json --log logs/evaluate.log")
+PER_PAIR = [f"results/train_{m}/probe_{c}.jsonl" for m in ("dpo", "rm") for c in ("step0", "final")]
+SYNTH_OUTS = (["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
+               "results/tokens/probe_tokens.parquet"] + PER_PAIR
+              + [f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json", "model")])
+HASHED_ONLY = ["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
+               "results/tokens/probe_tokens.parquet", "results/train_dpo/model", "results/train_rm/model"]
+REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
+                "--metrics", "metrics/dpo.json", "metrics/rm.json", "--per-pair", *PER_PAIR,
+                "--bootstrap-summary", "results/evaluate/bootstrap_summary.json",
+                "--train-log", "dpo=results/train_dpo/train_log.csv", "rm=results/train_rm/train_log.csv",
+                "--run-info", "dpo=results/train_dpo/run_info.json", "rm=results/train_rm/run_info.json"])
+REPORT_CMD = ("python -m stages.report " + " ".join(REPORT_ARGS) + " --bundle results/report/evidence.tar.gz"
+              " --summary results/report/summary.md --curves-dir results/report/curves --log logs/report.log")
+
+
+def small_params(**train) -> dict:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["probe"]["size"] = 64
+    params["evaluate"]["bootstrap_replicates"] = 1000
+    params["train"].update(train)
+    return params
+
+
+def dvc_yaml() -> dict:
+    return {
+        "stages": {
+            "synth": {"cmd": "python -m synthetic_probe --params params.yaml --root .",
+                      "params": ["probe", "train.seed", "dpo"], "outs": SYNTH_OUTS},
+            "evaluate": {"cmd": EVALUATE_CMD, "params": ["evaluate", "probe.size", "dpo.beta", "dpo.objective"],
+                         "deps": ["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
+                                  *PER_PAIR],
+                         "outs": ["results/evaluate/bootstrap_summary.json"],
+                         "metrics": [{"metrics/dpo.json": {"cache": False}}, {"metrics/rm.json": {"cache": False}}]},
+            "report": {"cmd": REPORT_CMD,
+                       "deps": [*HASHED_ONLY, "metrics/dpo.json", "metrics/rm.json", *PER_PAIR,
+                                "results/evaluate/bootstrap_summary.json",
+                                *[f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json")]],
+                       "outs": ["results/report/evidence.tar.gz", "results/report/summary.md", "results/report/curves"]},
+        },
+        # The plots definition proposed for the pipeline's dvc.yaml (top-level `plots:`).
+        "plots": [
+            {"results/train_dpo/train_log.csv": {"x": "step", "y": ["loss", "accuracy", "margin"], "title": "DPO training"}},
+            {"results/train_rm/train_log.csv": {"x": "step", "y": ["loss", "accuracy", "margin"], "title": "RM training"}},
+        ],
+    }
+
+
+def _env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
+    env.update(DVC_NO_ANALYTICS="1", GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@example.invalid",
+               GIT_COMMITTER_NAME="t", GIT_COMMITTER_EMAIL="t@example.invalid")
+    return env
+
+
+def sh(cwd: Path, *cmd: str) -> str:
+    r = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True)
+    assert r.returncode == 0, f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+def _members(bundle: bytes) -> dict[str, bytes]:
+    with tarfile.open(fileobj=io.BytesIO(bundle), mode="r:gz") as tar:
+        return {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+
+
+def _leak_scan(members: dict[str, bytes], repo: Path) -> None:
+    needles = [socket.gethostname(), str(repo.resolve()), str(REPO), os.environ.get("HOME", "")]
+    needles = [n for n in needles if len(n) >= 4]
+    credential = re.compile(rb"hf_[A-Za-z0-9]{30,}|gh[pousr]_[A-Za-z0-9]{36}|AKIA[0-9A-Z]{16}|PRIVATE KEY-----|sk-[A-Za-z0-9]{20,}")
+    for name, data in members.items():
+        for n in needles:
+            assert n.encode() not in data, f"{name} leaks {n!r}"
+        assert not credential.search(data), f"{name} holds a credential-like string"
+        assert not name.startswith("/") and ".." not in name.split("/")
+        assert not name.endswith((".safetensors", ".bin", ".pt", ".pth", ".ckpt"))
+
+
+# --------------------------------------------------------------------------------------------------
+# Unit: DVC hash algorithm, tar determinism, leak refusal
+# --------------------------------------------------------------------------------------------------
+
+def test_dvc_hash_matches_dvc_data_for_file_and_dir(tmp_path):
+    from dvc_data.hashfile.build import build
+    from dvc_data.hashfile.db import HashFileDB
+    from dvc_objects.fs import LocalFileSystem
+
+    d = tmp_path / "d"
+    (d / "a" / "b").mkdir(parents=True)
+    (d / "x.txt").write_text("hello\r\nworld\n")  # CRLF: DVC 3 hashes raw bytes (no dos2unix)
+    (d / "a" / "y.bin").write_bytes(bytes(range(256)))
+    (d / "a" / "b" / "z").write_bytes(b"")
+    (d / "a-b").write_text("sorts between a/ and b")
+    fs = LocalFileSystem()
+    odb = HashFileDB(fs, str(tmp_path / "odb"))
+    for target in (d, d / "x.txt"):
+        _, meta, obj = build(odb, str(target), fs, "md5")
+        ours = rp.dvc_hash(target)
+        assert ours["md5"] == obj.hash_info.value and ours["size"] == meta.size
+        if target.is_dir():
+            assert ours["nfiles"] == meta.nfiles == 4 and ours["md5"].endswith(".dir")
+
+
+def test_tar_is_deterministic_and_normalized():
+    members = {"evidence/b.txt": b"b", "evidence/a/z.json": b"{}", "evidence/a.txt": b"a" * 1000}
+    one, two = rp.deterministic_targz(members), rp.deterministic_targz(dict(reversed(members.items())))
+    assert one == two
+    assert one[4:8] == b"\0\0\0\0"  # gzip mtime 0
+    with tarfile.open(fileobj=io.BytesIO(one), mode="r:gz") as tar:
+        infos = tar.getmembers()
+    assert [i.name for i in infos] == sorted(members)
+    assert {(i.mtime, i.uid, i.gid, i.uname, i.gname, i.mode) for i in infos} == {(0, 0, 0, "", "", 0o644)}
+
+
+def _inputs(tmp_path: Path, params: dict) -> Path:
+    write_all(tmp_path, params)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    r = subprocess.run([sys.executable, *EVALUATE_CMD.split()[1:]], cwd=tmp_path, env=_env(), capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return tmp_path
+
+
+def _report(repo: Path, out: str) -> tuple[bytes, str]:
+    r = subprocess.run([sys.executable, "-m", "stages.report", *REPORT_ARGS, "--bundle", f"{out}/evidence.tar.gz",
+                        "--summary", f"{out}/summary.md", "--log", f"{out}/report.log"],
+                       cwd=repo, env=_env(), capture_output=True, text=True)
+    return r.returncode, r.stderr
+
+
+def test_bundle_byte_identical_contents_and_no_leaks(tmp_path):
+    repo = _inputs(tmp_path, small_params())
+    for out in ("o1", "o2"):
+        rc, err = _report(repo, out)
+        assert rc == 0, err
+    bundle = (repo / "o1/evidence.tar.gz").read_bytes()
+    assert bundle == (repo / "o2/evidence.tar.gz").read_bytes()
+    members = _members(bundle)
+    _leak_scan(members, repo)
+
+    manifest = json.loads(members["evidence/manifest.json"])
+    for name, data in members.items():
+        if name != "evidence/manifest.json":
+            assert manifest["members"][name]["sha256"] == rp.hashlib.sha256(data).hexdigest()
+    assert {f"evidence/artifacts/{p}" for p in PER_PAIR} <= set(members)
+    assert members["evidence/params.yaml"] == (repo / "params.yaml").read_bytes()
+    assert members["evidence/curves/dpo_train_curves.png"].startswith(b"\x89PNG")
+    by_path = {a["path"]: a for a in manifest["artifacts"]}
+    assert by_path["results/train_dpo/model"]["packed"] is False and by_path["results/train_dpo/model"]["nfiles"] == 3
+    env = json.loads(members["evidence/environment.json"])
+    assert env["training"]["dpo"]["gpu_name"] == "NVIDIA H200" and "hostname" not in env["training"]["dpo"]
+    assert env["report_process"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    summary = members["evidence/summary.md"].decode()
+    assert "| dpo | 0.5000 |" in summary and "![dpo_train_curves.png](curves/dpo_train_curves.png)" in summary
+
+
+def test_leaks_refuse_the_bundle(tmp_path):
+    repo = _inputs(tmp_path, small_params())
+    log = repo / "results/train_rm/train_log.csv"
+    lines = log.read_text().splitlines()
+    token = "hf_" + "a1B2" * 9
+    log.write_text("\n".join([lines[0] + ",note"] + [ln + "," + token for ln in lines[1:]]) + "\n")
+    rc, err = _report(repo, "o")
+    assert rc != 0 and "evidence/artifacts/results/train_rm/train_log.csv contains what looks like a huggingface token" in err
+    assert token not in err and not (repo / "o/evidence.tar.gz").exists()
+
+    log.write_text("\n".join(lines) + "\n")
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["ref"]["local_dir"] = str(repo.resolve() / "models/x")
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    rc, err = _report(repo, "o")
+    assert rc != 0 and "evidence/params.yaml contains the absolute repository path" in err
+
+
+def test_absolute_artifact_paths_refused(tmp_path):
+    with pytest.raises(rp.ReportError, match="must be relative"):
+        rp.relative_artifact_path(str(tmp_path / "x.json"))
+    with pytest.raises(rp.ReportError, match="must be relative"):
+        rp.relative_artifact_path("results/../../etc/passwd")
+
+
+# --------------------------------------------------------------------------------------------------
+# A real dvc repro in a temp git repo
+# --------------------------------------------------------------------------------------------------
+
+def _lock_entries(lock: dict) -> dict[str, dict]:
+    out = {}
+    for name, stage in lock["stages"].items():
+        for key in ("deps", "outs"):
+            for e in stage.get(key, []):
+                out.setdefault(e["path"], e)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dvc") is None or shutil.which("git") is None, reason="needs dvc and git")
+def test_dvc_repro_lock_agrees_metrics_diff_plots_diff_and_rerun_identical(tmp_path):
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    sh(repo, "git", "init", "-q")
+    sh(repo, "dvc", "init", "-q")
+    (repo / "params.yaml").write_text(yaml.safe_dump(small_params(seed=1)))
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml(), sort_keys=False))
+    (repo / ".gitignore").write_text("logs/\n")
+    sh(repo, "dvc", "repro", "-q")
+
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())
+    bundle = (repo / "results/report/evidence.tar.gz").read_bytes()
+    members = _members(bundle)
+    _leak_scan(members, repo)
+    manifest = {a["path"]: a for a in json.loads(members["evidence/manifest.json"])["artifacts"]}
+    entries = _lock_entries(lock)
+    compared = 0
+    for path, a in manifest.items():
+        e = entries[path]
+        assert a["md5"] == e["md5"] and a["size"] == e["size"], path
+        if a["kind"] == "dir":
+            assert a["nfiles"] == e["nfiles"], path
+        compared += 1
+    assert compared == len(manifest) and {"results/train_dpo/model", "metrics/dpo.json"} <= set(manifest)
+    assert manifest["results/train_rm/model"]["md5"].endswith(".dir")
+
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "run 1")
+    (repo / "params.yaml").write_text(yaml.safe_dump(small_params(seed=2)))  # a training param
+    sh(repo, "dvc", "repro", "-q")
+    sh(repo, "git", "add", "-A")
+    sh(repo, "git", "commit", "-qm", "run 2")
+
+    diff = json.loads(sh(repo, "dvc", "metrics", "diff", "HEAD~1", "--json"))
+    dpo = diff["metrics/dpo.json"]
+    changed = dpo["final.accuracy"]
+    assert isinstance(changed["old"], float) and isinstance(changed["new"], float) and changed["old"] != changed["new"]
+    assert "improvement.accuracy_ci_low" in dpo
+    sh(repo, "dvc", "plots", "diff", "HEAD~1", "-o", str(tmp_path / "plots"))
+    assert "vegaEmbed('#results_train_dpo_train_log_csv'" in (tmp_path / "plots" / "index.html").read_text()
+    plots = json.loads(sh(repo, "dvc", "plots", "diff", "HEAD~1", "--json"))["data"]
+    for log in ("results/train_dpo/train_log.csv", "results/train_rm/train_log.csv"):
+        (spec,) = plots[log]
+        assert set(spec["revisions"]) == {"workspace", "HEAD~1"}
+        rows = spec["content"]["data"]["values"]
+        loss = {rev: [r["loss"] for r in rows if r["rev"] == rev and r["field"] == "loss"] for rev in spec["revisions"]}
+        assert len(loss["HEAD~1"]) == len(loss["workspace"]) == 12 and loss["HEAD~1"] != loss["workspace"]
+
+    before = (repo / "results/report/evidence.tar.gz").read_bytes()
+    sh(repo, "dvc", "repro", "-q", "--force")
+    assert (repo / "results/report/evidence.tar.gz").read_bytes() == before
+    assert sh(repo, "git", "status", "--porcelain") == ""  # dvc.lock and metrics unchanged by the rerun
