@@ -3,6 +3,8 @@
 #
 #   snakemake --cores 2            # run everything on the embedded default
 #   dvc repro                      # the same DAG, hash-tracked in dvc.lock
+import os
+
 import yaml
 from snakemake.utils import min_version, validate
 
@@ -37,5 +39,7 @@ rule all:
 
 
 onsuccess:
-    # Record what Snakemake just built in dvc.lock, so `dvc status` agrees with this run.
-    shell("python workflow/sync_dvc.py --commit-lock")
+    # Record what Snakemake just built in dvc.lock, so `dvc status` agrees with this run (not when
+    # `dvc repro` itself called us through sync_dvc.py --record-for-snakemake: DVC holds its lock).
+    if not os.environ.get("PREFPIPE_INSIDE_DVC"):
+        shell("python workflow/sync_dvc.py --commit-lock")

@@ -10,20 +10,17 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
 * an output whose name starts with `metrics` is a DVC metric, `plots` a DVC plot (both kept in git,
   `cache: false`), an output named `persist_*` is kept across reruns (`persist: true`);
 * `log:` and `benchmark:` files are not DVC outs (they change on every run and prove nothing);
-* DVC's cmd is Snakemake's shell command followed by `--forget-snakemake-metadata OUTS`: a stage that
-  DVC reran (say after a params change) must not look stale to Snakemake's params/code triggers,
-  which read the metadata Snakemake recorded when it last built those files. Without metadata
-  Snakemake judges by file times only, which DVC's run just made current.
-
-    python workflow/sync_dvc.py            # rewrite dvc.yaml
-    python workflow/sync_dvc.py --check    # exit 1 if dvc.yaml differs from what the Snakefile says
-    python workflow/sync_dvc.py --commit-lock  # after a Snakemake run: record its outputs in dvc.lock
-    python workflow/sync_dvc.py --forget-snakemake-metadata FILE...  # after DVC ran a stage
+* DVC's cmd is Snakemake's shell command followed by `--record-for-snakemake OUTS`, which runs
+  `snakemake --touch OUTS`: Snakemake then records the params, code and inputs DVC just ran with,
+  so its params/code triggers agree with DVC instead of reading the records of its own last run;
+* each rule's `log:` is a DVC out with `cache: false`: besides keeping the log hash-tracked, an
+  uncached out turns off DVC's run-cache for the stage, so DVC never restores outputs without
+  running the cmd (and its Snakemake bookkeeping).
 """
 from __future__ import annotations
 
 import argparse
-import base64
+import os
 import difflib
 import shutil
 import subprocess
@@ -78,6 +75,7 @@ def snakemake_jobs(root: Path = ROOT) -> tuple[list, dict]:
                 "deps": list(dict.fromkeys(str(f) for f in job.input)),
                 "outputs": [(name, str(job.output[name])) for name in job.output.keys()],
                 "unnamed_outputs": [str(f) for f in job.output],
+                "logs": [str(f) for f in job.log],
                 "params": params,
             })
         return out, dict(workflow.config)
@@ -98,8 +96,9 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
                 outs.append({path: {"persist": True}})
             else:
                 outs.append(path)
-        forget = " ".join(job["unnamed_outputs"])
-        stage = {"cmd": f"{job['cmd']} && python workflow/sync_dvc.py --forget-snakemake-metadata {forget}",
+        outs.extend({log: {"cache": False}} for log in job["logs"])
+        record = " ".join(job["unnamed_outputs"])
+        stage = {"cmd": f"{job['cmd']} && python workflow/sync_dvc.py --record-for-snakemake {record}",
                  "deps": job["deps"]}
         params = sorted({_param_key(n, v, config) for n, v in job["params"].items() if not n.startswith("cli_")})
         if params:
@@ -111,7 +110,13 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
         if plots:
             stage["plots"] = plots
         stages[job["name"]] = stage
-    body = yaml.safe_dump({"stages": stages}, sort_keys=False, width=1000, default_flow_style=False)
+    doc = {"stages": stages}
+    curves = [p for st in stages.values() for o in st.get("plots", []) for p in o if p.endswith("train_log.csv")]
+    if curves:
+        # Top-level plot definitions, so `dvc plots show/diff` draws the training curves per step.
+        doc["plots"] = [{p: {"x": "step", "y": ["loss", "accuracy", "margin"],
+                             "title": f"{Path(p).parent.name} training"}} for p in curves]
+    body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)
     return HEADER + body
 
 
@@ -133,12 +138,13 @@ def commit_lock(root: Path = ROOT, stage_names: list[str] | None = None) -> None
         subprocess.run(["dvc", "commit", "--force", "--quiet", *ready], cwd=root, check=True)
 
 
-def forget_snakemake_metadata(paths: list[str], root: Path = ROOT) -> None:
-    """Drop Snakemake's provenance records (`.snakemake/metadata/<base64 of path>`) for `paths`."""
-    meta = root / ".snakemake" / "metadata"
-    for p in paths:
-        record = meta / base64.b64encode(p.encode()).decode()
-        record.unlink(missing_ok=True)
+def record_for_snakemake(paths: list[str], root: Path = ROOT) -> None:
+    """After DVC built `paths`: `snakemake --touch` them, which writes Snakemake's provenance records
+    (params, code, inputs) for the current state. The env var keeps the Snakefile's onsuccess from
+    calling `dvc commit` while `dvc repro` holds the repository lock."""
+    env = {**os.environ, "PREFPIPE_INSIDE_DVC": "1"}
+    subprocess.run(["snakemake", "--touch", "--cores", "1", "--quiet", *paths], cwd=root, env=env,
+                   check=True, stdout=subprocess.DEVNULL)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,12 +152,12 @@ def main(argv: list[str] | None = None) -> int:
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="fail if dvc.yaml is out of date")
     mode.add_argument("--commit-lock", action="store_true", help="dvc commit the stages whose outputs exist")
-    mode.add_argument("--forget-snakemake-metadata", nargs="+", metavar="FILE",
-                      help="drop Snakemake's records for files DVC just rebuilt")
+    mode.add_argument("--record-for-snakemake", nargs="+", metavar="FILE",
+                      help="record files DVC just built in Snakemake's provenance (snakemake --touch)")
     args = ap.parse_args(argv)
     target = ROOT / "dvc.yaml"
-    if args.forget_snakemake_metadata:
-        forget_snakemake_metadata(args.forget_snakemake_metadata)
+    if args.record_for_snakemake:
+        record_for_snakemake(args.record_for_snakemake)
         return 0
     if args.commit_lock:
         commit_lock()
