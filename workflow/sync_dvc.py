@@ -143,7 +143,7 @@ def record_for_snakemake(paths: list[str], root: Path = ROOT) -> None:
     (params, code, inputs) for the current state. The env var keeps the Snakefile's onsuccess from
     calling `dvc commit` while `dvc repro` holds the repository lock."""
     env = {**os.environ, "PREFPIPE_INSIDE_DVC": "1"}
-    subprocess.run(["snakemake", "--touch", "--cores", "1", "--quiet", *paths], cwd=root, env=env,
+    subprocess.run(["snakemake", "--touch", "--cores", "1", "--quiet", "all", "--", *paths], cwd=root, env=env,
                    check=True, stdout=subprocess.DEVNULL)
 
 
