@@ -13,9 +13,9 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
 * DVC's cmd is Snakemake's shell command followed by `--record-for-snakemake OUTS`, which runs
   `snakemake --touch OUTS`: Snakemake then records the params, code and inputs DVC just ran with,
   so its params/code triggers agree with DVC instead of reading the records of its own last run;
-* each rule's `log:` is a DVC out with `cache: false`: besides keeping the log hash-tracked, an
-  uncached out turns off DVC's run-cache for the stage, so DVC never restores outputs without
-  running the cmd (and its Snakemake bookkeeping).
+* each rule's `log:` is a DVC out with `cache: false, persist: true`: the log stays hash-tracked, and
+  a persisted out turns off DVC's run-cache for the stage (dvc/stage/cache.py `_can_hash`), so DVC
+  never restores outputs without running the cmd and its Snakemake bookkeeping.
 """
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
                 outs.append({path: {"persist": True}})
             else:
                 outs.append(path)
-        outs.extend({log: {"cache": False}} for log in job["logs"])
+        outs.extend({log: {"cache": False, "persist": True}} for log in job["logs"])
         record = " ".join(job["unnamed_outputs"])
         stage = {"cmd": f"{job['cmd']} && python workflow/sync_dvc.py --record-for-snakemake {record}",
                  "deps": job["deps"]}
