@@ -30,6 +30,7 @@ include: "workflow/rules/common.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
+include: "workflow/rules/evaluate.smk"
 
 
 rule all:

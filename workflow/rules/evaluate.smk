@@ -1,0 +1,89 @@
+# Evaluation on the frozen probe, and the evidence bundle of the whole run.
+
+DPO_OUT = rules.train_dpo.output
+RM_OUT = rules.train_rm.output
+
+
+rule evaluate:
+    input:
+        probe_manifest=rules.freeze_probe.output.manifest,
+        probe_token_manifest=rules.tokenize.output.probe_token_manifest,
+        probe_tokens=rules.tokenize.output.probe_tokens,
+        dpo_step0=DPO_OUT.probe_step0,
+        dpo_final=DPO_OUT.probe_final,
+        rm_step0=RM_OUT.probe_step0,
+        rm_final=RM_OUT.probe_final,
+        code=[py("evaluate"), *LIB],
+    output:
+        metrics_dpo="metrics/dpo.json",
+        metrics_rm="metrics/rm.json",
+        bootstrap=f"{RESULTS}/evaluate/bootstrap_summary.json",
+    params:
+        evaluate=config["evaluate"],
+        probe__size=config["probe"]["size"],
+        dpo__beta=config["dpo"]["beta"],
+        dpo__objective=config["dpo"]["objective"],
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/evaluate.log",
+    benchmark:
+        f"{LOGS}/benchmarks/evaluate.tsv"
+    shell:
+        "python -m stages.evaluate --params params.yaml --probe-manifest {input.probe_manifest}"
+        " --probe-token-manifest {input.probe_token_manifest} --probe-tokens {input.probe_tokens}"
+        " --dpo-step0 {input.dpo_step0} --dpo-final {input.dpo_final}"
+        " --rm-step0 {input.rm_step0} --rm-final {input.rm_final}"
+        " --metrics-dpo {output.metrics_dpo} --metrics-rm {output.metrics_rm}"
+        " --bootstrap {output.bootstrap} --log {log}"
+
+
+# Every upstream artifact the bundle's manifest hashes (never packs): data, tokens, models.
+HASHED_ARTIFACTS = [
+    *rules.normalize.output,
+    *rules.freeze_probe.output,
+    *rules.verify_ref.output,
+    *rules.tokenize.output,
+    *(rules.ref_logps.output if USES_REF_LOGPS else []),
+    DPO_OUT.model,
+    RM_OUT.model,
+]
+
+
+rule report:
+    input:
+        artifacts=HASHED_ARTIFACTS,
+        metrics=[rules.evaluate.output.metrics_dpo, rules.evaluate.output.metrics_rm],
+        per_pair=[DPO_OUT.probe_step0, DPO_OUT.probe_final, RM_OUT.probe_step0, RM_OUT.probe_final],
+        bootstrap=rules.evaluate.output.bootstrap,
+        dpo_log=DPO_OUT.plots_train_log,
+        rm_log=RM_OUT.plots_train_log,
+        dpo_run_info=DPO_OUT.run_info,
+        rm_run_info=RM_OUT.run_info,
+        code=[py("report"), *LIB],
+    output:
+        bundle=f"{RESULTS}/report/evidence.tar.gz",
+        summary=f"{RESULTS}/report/summary.md",
+        curves=directory(f"{RESULTS}/report/curves"),
+    params:
+        # The bundle carries params.yaml itself, so every section is a dependency.
+        data=config["data"],
+        probe=config["probe"],
+        ref=config["ref"],
+        tokenize=config["tokenize"],
+        train=config["train"],
+        dpo=config["dpo"],
+        rm=config["rm"],
+        evaluate=config["evaluate"],
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/report.log",
+    benchmark:
+        f"{LOGS}/benchmarks/report.tsv"
+    shell:
+        "python -m stages.report --params params.yaml --artifacts {input.artifacts}"
+        " --metrics {input.metrics} --per-pair {input.per_pair} --bootstrap-summary {input.bootstrap}"
+        " --train-log dpo={input.dpo_log} rm={input.rm_log}"
+        " --run-info dpo={input.dpo_run_info} rm={input.rm_run_info}"
+        " --bundle {output.bundle} --summary {output.summary} --curves-dir {output.curves} --log {log}"
