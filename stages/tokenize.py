@@ -1,0 +1,612 @@
+"""tokenize: render preference pairs with the verified reference tokenizer; split prompt/completion on tokens.
+
+    python -m stages.tokenize --params params.yaml --identity results/ref/ref_identity.json \
+        --train results/probe/train.parquet --probe results/probe/probe.parquet \
+        --probe-manifest results/probe/probe_manifest.json \
+        --train-tokens results/tokens/train_tokens.parquet \
+        --probe-tokens results/tokens/probe_tokens.parquet \
+        --probe-token-manifest results/tokens/probe_token_manifest.json \
+        --report results/tokens/tokenize_report.json \
+        --rejections results/tokens/token_rejections.parquet --log logs/tokenize.log
+
+Rendering (the same rule for chosen and rejected; each branch is rendered and tokenized whole):
+
+* Chat template (the tokenizer has one):
+      prompt_text = apply_chat_template(prompt, add_generation_prompt=True)
+      full_text   = apply_chat_template(prompt + completion)
+  full_text must start with prompt_text (else `template_not_prefix`), and every completion message's
+  (stripped) content must appear, in order, after it (else `template_drops_completion`). Encoded
+  without the tokenizer's own special tokens: the template already spells BOS etc.
+* Plain (no template): role-tagged turns joined by a blank line,
+      prompt_text = "User: q1\\n\\nAssistant: a1\\n\\nUser: q2\\n\\nAssistant:"
+      full_text   = "User: q1\\n\\nAssistant: a1\\n\\nUser: q2\\n\\nAssistant: answer<EOS>"
+  (tags: System, User, Assistant; "Assistant:" ends the prompt, so the space before the answer is
+  the completion's first character and byte-level BPE keeps it in the answer's first token).
+  Encoded with the tokenizer's own special tokens (a BOS where its post-processor adds one).
+* Stop signal: when the completion part of full_text, right-stripped, does not already end with the
+  EOS or another special token (a template's end-of-turn such as <|im_end|>), the EOS text is
+  appended, so the completion always ends with a token that teaches the model to stop.
+* Message content containing a special-token string is rejected (`special_token_in_content`): the
+  tokenizer would turn it into a control token and the pair would no longer say what it says.
+
+Boundary: full_text is encoded once, with character offsets; the completion starts at the first
+token whose start offset is >= len(prompt_text). A token that straddles that position (starts
+before it, ends after it) would either score prompt characters as completion or drop completion
+characters from the score, so such a pair is rejected (`boundary_straddles_token`) rather than
+guessed. Offsets are taken with offset trimming off, so a trimmed leading space cannot hide a straddle.
+
+Truncation (params `tokenize`): prompt tokens > max_prompt_length -> `prompt_too_long` (either
+policy); full length > max_length -> `sequence_too_long` under `reject`, or under
+`truncate_completion` the completion is cut to fit (the cut completion then has no EOS: it did not
+end there). The probe must come through whole: any probe pair that would be rejected fails the stage.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import pyarrow as pa
+
+from stages.lib.io import (canonical_json, read_json, read_parquet, setup_logging, sha256_file,
+                           sha256_json, write_json, write_parquet)
+from stages.lib.params import load_params
+
+TRUNCATION_POLICIES = ("reject", "truncate_completion")
+PLAIN_ROLE_TAGS = {"system": "System", "user": "User", "assistant": "Assistant"}
+PLAIN_TURN_SEPARATOR = "\n\n"
+ENCODE_BATCH_PAIRS = 1024
+
+# Files that decide how text becomes token ids (or how it is rendered); their hashes are the
+# tokenizer identity recorded next to the probe's token hashes.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
+                   "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
+                   "chat_template.json")
+
+TOKENS_SCHEMA = pa.schema([
+    ("pair_id", pa.string()),
+    ("chosen_ids", pa.list_(pa.int32())),
+    ("chosen_prompt_len", pa.int32()),
+    ("rejected_ids", pa.list_(pa.int32())),
+    ("rejected_prompt_len", pa.int32()),
+    ("margin", pa.float64()),
+    ("token_hash", pa.string()),
+])
+
+REJECTIONS_SCHEMA = pa.schema([
+    ("split", pa.string()),
+    ("pair_id", pa.string()),
+    ("src_file", pa.string()),
+    ("src_row", pa.int64()),
+    ("reason", pa.string()),
+    ("detail", pa.string()),
+    ("prompt_tokens", pa.int32()),
+    ("chosen_tokens", pa.int32()),
+    ("rejected_tokens", pa.int32()),
+])
+
+
+class TokenizeError(ValueError):
+    """The stage cannot produce a correct output; the message names the file / pairs and the reason."""
+
+
+class BranchRejected(Exception):
+    """One branch of a pair cannot be tokenized faithfully; `reason` is a stable code."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+# ---------------------------------------------------------------------------------------------
+# Limits
+# ---------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenizeLimits:
+    max_length: int
+    max_prompt_length: int
+    truncation: str
+
+    @classmethod
+    def from_params(cls, tok_params: dict) -> "TokenizeLimits":
+        limits = cls(int(tok_params["max_length"]), int(tok_params["max_prompt_length"]),
+                     str(tok_params["truncation"]))
+        if limits.truncation not in TRUNCATION_POLICIES:
+            raise TokenizeError(f"tokenize.truncation must be one of {TRUNCATION_POLICIES}, "
+                                f"got {limits.truncation!r}")
+        # A prompt of max_prompt_length must leave room for at least one completion token.
+        if not 1 <= limits.max_prompt_length < limits.max_length:
+            raise TokenizeError(f"tokenize.max_prompt_length ({limits.max_prompt_length}) must be "
+                                f">= 1 and < tokenize.max_length ({limits.max_length})")
+        return limits
+
+    def as_dict(self) -> dict:
+        return {"max_length": self.max_length, "max_prompt_length": self.max_prompt_length,
+                "truncation": self.truncation}
+
+
+# ---------------------------------------------------------------------------------------------
+# Tokenizer loading and identity
+# ---------------------------------------------------------------------------------------------
+
+def tokenizer_identity(tokenizer_dir: str | Path) -> str:
+    """sha256 over (name, size, sha256) of every tokenizer file present in the directory."""
+    tokenizer_dir = Path(tokenizer_dir)
+    files = [[name, (tokenizer_dir / name).stat().st_size, sha256_file(tokenizer_dir / name)]
+             for name in sorted(TOKENIZER_FILES) if (tokenizer_dir / name).is_file()]
+    if not files:
+        raise TokenizeError(f"{tokenizer_dir}: no tokenizer files (looked for {', '.join(TOKENIZER_FILES)})")
+    return sha256_json(files)
+
+
+def load_tokenizer(tokenizer_dir: str | Path):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    if not getattr(tokenizer, "is_fast", False):
+        raise TokenizeError(f"{tokenizer_dir}: tokenizer {type(tokenizer).__name__} is not a fast "
+                            "(tokenizers-backed) tokenizer; character offsets are needed for the "
+                            "prompt/completion boundary")
+    return tokenizer
+
+
+def _untrimmed_backend(tokenizer):
+    """A copy of the tokenizer's Rust backend whose offsets are never trimmed.
+
+    Trimming (ByteLevel / RoBERTa post-processors) moves a token's start past its leading space,
+    which would make a token straddling the boundary look as if it started on it. Ids are unchanged.
+    """
+    from tokenizers import Tokenizer
+
+    backend = tokenizer.backend_tokenizer
+    spec = json.loads(backend.to_str())
+
+    def untrim(node: Any) -> None:
+        if isinstance(node, dict):
+            if "trim_offsets" in node:
+                node["trim_offsets"] = False
+            for value in node.values():
+                untrim(value)
+        elif isinstance(node, list):
+            for value in node:
+                untrim(value)
+
+    untrim(spec.get("post_processor"))
+    copy = Tokenizer.from_str(json.dumps(spec))
+    copy.no_truncation()
+    copy.no_padding()
+    copy.encode_special_tokens = backend.encode_special_tokens
+    return copy
+
+
+def _chat_template_text(tokenizer) -> str | None:
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        template = template.get("default")
+    return template or None
+
+
+def _special_token_strings(tokenizer) -> list[str]:
+    specials = set(tokenizer.all_special_tokens)
+    specials.update(t.content for t in tokenizer.added_tokens_decoder.values() if t.special)
+    return sorted(s for s in specials if s)
+
+
+# ---------------------------------------------------------------------------------------------
+# Rendering: one branch (prompt + one completion) -> (prompt_text, full_text)
+# ---------------------------------------------------------------------------------------------
+
+def render_plain(prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+    """Role-tagged turns; the prompt ends with "Assistant:" (see module docstring). No EOS here."""
+    def turns(messages: list[dict]) -> list[str]:
+        return [f"{PLAIN_ROLE_TAGS[m['role']]}: {m['content']}" for m in messages]
+
+    prompt_text = PLAIN_TURN_SEPARATOR.join(turns(prompt) + ["Assistant:"])
+    full_text = PLAIN_TURN_SEPARATOR.join(turns(prompt + completion))
+    return prompt_text, full_text
+
+
+def render_chat(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+    try:
+        prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    except Exception as e:  # a template may refuse a role order (raise_exception in Jinja)
+        raise BranchRejected("template_error", f"{type(e).__name__}: {e}") from e
+    if not full_text.startswith(prompt_text):
+        at = next((i for i, (a, b) in enumerate(zip(prompt_text, full_text)) if a != b),
+                  min(len(prompt_text), len(full_text)))
+        raise BranchRejected("template_not_prefix",
+                             f"rendered prompt is not a prefix of the rendered conversation; they "
+                             f"differ at character {at}: prompt {prompt_text[at:at + 40]!r} vs "
+                             f"full {full_text[at:at + 40]!r}")
+    tail, pos = full_text[len(prompt_text):], 0
+    for m in completion:
+        found = tail.find(m["content"].strip(), pos)
+        if found < 0:
+            raise BranchRejected("template_drops_completion",
+                                 f"completion content {m['content'][:60]!r} does not appear in the "
+                                 "rendered completion")
+        pos = found + len(m["content"].strip())
+    return prompt_text, full_text
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundary on tokens of the full rendering
+# ---------------------------------------------------------------------------------------------
+
+def completion_start(offsets: list[tuple[int, int]], prompt_chars: int) -> int:
+    """Index of the first token starting at/after `prompt_chars`; tokens before it are the prompt.
+
+    Zero-width special tokens a post-processor adds (BOS at (0, 0)) fall on the prompt side.
+    A token with start < prompt_chars < end straddles the boundary: BranchRejected.
+    """
+    for i, (start, end) in enumerate(offsets):
+        if start >= prompt_chars:
+            return i
+        if end > prompt_chars:
+            raise BranchRejected("boundary_straddles_token",
+                                 f"token {i} spans characters [{start}, {end}) across the prompt "
+                                 f"end at {prompt_chars}")
+    return len(offsets)
+
+
+@dataclass
+class Branch:
+    ids: list[int]
+    prompt_len: int
+
+
+class PairTokenizer:
+    """Renders and encodes branches with one tokenizer; holds the pieces that are fixed per tokenizer."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        template = _chat_template_text(tokenizer)
+        self.uses_chat_template = template is not None
+        if self.uses_chat_template and "add_generation_prompt" not in template:
+            # Without a generation prompt the assistant header would land in the completion and be scored.
+            raise TokenizeError("the tokenizer's chat template ignores add_generation_prompt, so the "
+                                "prompt/completion boundary cannot be placed after the assistant header")
+        self.backend = _untrimmed_backend(tokenizer)
+        self.eos_token = tokenizer.eos_token
+        self.specials = _special_token_strings(tokenizer)
+        self._special_re = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
+        self.add_special_tokens = not self.uses_chat_template
+
+    @property
+    def rendering(self) -> str:
+        return "chat_template" if self.uses_chat_template else "plain"
+
+    def render(self, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+        if self._special_re is not None:
+            for m in prompt + completion:
+                hit = self._special_re.search(m["content"])
+                if hit:
+                    raise BranchRejected("special_token_in_content",
+                                         f"{m['role']} message contains the special token {hit.group()!r}")
+        if self.uses_chat_template:
+            prompt_text, full_text = render_chat(self.tokenizer, prompt, completion)
+        else:
+            prompt_text, full_text = render_plain(prompt, completion)
+        tail = full_text[len(prompt_text):].rstrip()
+        if not any(tail.endswith(s) for s in self.specials):
+            if not self.eos_token:
+                raise TokenizeError("the tokenizer has no EOS token and its rendering has no "
+                                    "end-of-turn token: a completion could not teach the model to stop")
+            full_text += self.eos_token
+        return prompt_text, full_text
+
+    def encode(self, rendered: list[tuple[str, str]]) -> list[Branch | BranchRejected]:
+        """Encode full renderings in one batch; split each at its prompt's character length."""
+        encodings = self.backend.encode_batch([full for _, full in rendered],
+                                              add_special_tokens=self.add_special_tokens)
+        out: list[Branch | BranchRejected] = []
+        for (prompt_text, _), enc in zip(rendered, encodings):
+            try:
+                start = completion_start(enc.offsets, len(prompt_text))
+                if start == len(enc.ids):
+                    raise BranchRejected("empty_completion_tokens", "no token after the prompt")
+                out.append(Branch(list(enc.ids), start))
+            except BranchRejected as e:
+                out.append(e)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Pairs -> token rows
+# ---------------------------------------------------------------------------------------------
+
+def token_hash(chosen_ids: list[int], chosen_prompt_len: int, rejected_ids: list[int],
+               rejected_prompt_len: int) -> str:
+    return sha256_json([chosen_ids, chosen_prompt_len, rejected_ids, rejected_prompt_len])
+
+
+@dataclass
+class SplitResult:
+    split: str
+    rows: list[dict] = field(default_factory=list)
+    rejections: list[dict] = field(default_factory=list)
+    truncated: int = 0
+    prompt_tokens_differ: int = 0
+    pairs_in: int = 0
+
+
+def _rejection(split: str, pair: dict, reason: str, detail: str, prompt_tokens=None,
+               chosen_tokens=None, rejected_tokens=None) -> dict:
+    return {"split": split, "pair_id": pair["pair_id"], "src_file": pair.get("src_file"),
+            "src_row": pair.get("src_row"), "reason": reason, "detail": detail,
+            "prompt_tokens": prompt_tokens, "chosen_tokens": chosen_tokens,
+            "rejected_tokens": rejected_tokens}
+
+
+def tokenize_pairs(pair_tokenizer: PairTokenizer, pairs: list[dict], limits: TokenizeLimits,
+                   split: str) -> SplitResult:
+    """Tokenize pairs (kept in input order); over-long or unfaithful pairs become rejections."""
+    result = SplitResult(split=split, pairs_in=len(pairs))
+    for lo in range(0, len(pairs), ENCODE_BATCH_PAIRS):
+        batch = pairs[lo:lo + ENCODE_BATCH_PAIRS]
+        rendered: list[tuple[str, str]] = []
+        failed: dict[int, BranchRejected] = {}
+        for i, pair in enumerate(batch):
+            for side in ("chosen", "rejected"):
+                try:
+                    rendered.append(pair_tokenizer.render(pair["prompt"], pair[side]))
+                except BranchRejected as e:
+                    failed.setdefault(i, BranchRejected(e.reason, f"{side}: {e.detail}"))
+                    rendered.append(("", ""))  # placeholder keeps positions; never used
+        encoded = pair_tokenizer.encode(rendered)
+        for i, pair in enumerate(batch):
+            if i in failed:
+                result.rejections.append(_rejection(split, pair, failed[i].reason, failed[i].detail))
+                continue
+            branches = {"chosen": encoded[2 * i], "rejected": encoded[2 * i + 1]}
+            bad = next(((s, b) for s, b in branches.items() if isinstance(b, BranchRejected)), None)
+            if bad is not None:
+                result.rejections.append(_rejection(split, pair, bad[1].reason, f"{bad[0]}: {bad[1].detail}"))
+                continue
+            row = _apply_limits(result, pair, branches["chosen"], branches["rejected"], limits)
+            if row is not None:
+                result.rows.append(row)
+    return result
+
+
+def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Branch,
+                  limits: TokenizeLimits) -> dict | None:
+    prompt_tokens = max(chosen.prompt_len, rejected.prompt_len)
+    lengths = {"prompt_tokens": prompt_tokens, "chosen_tokens": len(chosen.ids),
+               "rejected_tokens": len(rejected.ids)}
+    if prompt_tokens > limits.max_prompt_length:
+        result.rejections.append(_rejection(
+            result.split, pair, "prompt_too_long",
+            f"prompt has {prompt_tokens} tokens > max_prompt_length {limits.max_prompt_length}", **lengths))
+        return None
+    longest = max(len(chosen.ids), len(rejected.ids))
+    if longest > limits.max_length:
+        if limits.truncation == "reject":
+            result.rejections.append(_rejection(
+                result.split, pair, "sequence_too_long",
+                f"chosen {len(chosen.ids)} / rejected {len(rejected.ids)} tokens; max_length "
+                f"{limits.max_length}", **lengths))
+            return None
+        # Prompt <= max_prompt_length < max_length, so at least one completion token survives.
+        chosen = Branch(chosen.ids[:limits.max_length], chosen.prompt_len)
+        rejected = Branch(rejected.ids[:limits.max_length], rejected.prompt_len)
+        result.truncated += 1
+    if chosen.ids[:chosen.prompt_len] != rejected.ids[:rejected.prompt_len]:
+        result.prompt_tokens_differ += 1
+    return {"pair_id": pair["pair_id"], "chosen_ids": chosen.ids, "chosen_prompt_len": chosen.prompt_len,
+            "rejected_ids": rejected.ids, "rejected_prompt_len": rejected.prompt_len,
+            "margin": pair.get("margin"),
+            "token_hash": token_hash(chosen.ids, chosen.prompt_len, rejected.ids, rejected.prompt_len)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Input integrity: pairs are what freeze_probe wrote, the probe is the frozen probe
+# ---------------------------------------------------------------------------------------------
+
+def content_hash(pair: dict) -> str:
+    """As normalize defines it (docs/ARTIFACTS.md): sha256 of canonical {"prompt", "chosen", "rejected"}."""
+    def msgs(messages):
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+    return sha256_json({"prompt": msgs(pair["prompt"]), "chosen": msgs(pair["chosen"]),
+                        "rejected": msgs(pair["rejected"])})
+
+
+def check_pairs(pairs: list[dict], path: str) -> None:
+    """Every pair's content still hashes to its content_hash / pair_id, and pair IDs are unique."""
+    problems, seen = [], set()
+    for i, pair in enumerate(pairs):
+        if pair["pair_id"] in seen:
+            problems.append(f"row {i}: duplicate pair_id {pair['pair_id']}")
+        seen.add(pair["pair_id"])
+        actual = content_hash(pair)
+        if actual != pair["content_hash"] or pair["pair_id"] != pair["content_hash"][:24]:
+            problems.append(f"row {i}: pair_id {pair['pair_id']} content_hash {pair['content_hash'][:12]}… "
+                            f"but its messages hash to {actual[:12]}…")
+    if problems:
+        raise TokenizeError(f"{path}: {len(problems)} pair(s) do not match their recorded hashes "
+                            f"(edited after normalize?):\n  " + "\n  ".join(problems[:20]))
+
+
+def check_probe_matches_manifest(probe_pairs: list[dict], manifest: dict, probe_path: str,
+                                 manifest_path: str) -> None:
+    ids = [p["pair_id"] for p in probe_pairs]
+    want = list(manifest["pair_ids"])
+    if ids != want:
+        diffs = [f"index {i}: manifest {w} / parquet {g}"
+                 for i, (w, g) in enumerate(zip(want, ids)) if w != g][:10]
+        raise TokenizeError(f"{probe_path} does not hold the probe of {manifest_path}: "
+                            f"{len(ids)} pairs vs {len(want)} in the manifest; "
+                            f"{len(set(want) - set(ids))} manifest IDs missing, "
+                            f"{len(set(ids) - set(want))} extra; first order differences: {diffs}")
+    hashes = [p["content_hash"] for p in probe_pairs]
+    if hashes != list(manifest["content_hashes"]):
+        bad = [ids[i] for i, (a, b) in enumerate(zip(hashes, manifest["content_hashes"])) if a != b]
+        raise TokenizeError(f"{probe_path}: content hashes differ from {manifest_path} for pairs {bad[:10]}")
+    digest = sha256_json([[p, h] for p, h in zip(ids, hashes)])
+    if digest != manifest["probe_digest"]:
+        raise TokenizeError(f"{probe_path}: probe digest {digest} != {manifest_path} probe_digest "
+                            f"{manifest['probe_digest']}")
+
+
+def check_probe_complete(result: SplitResult, limits: TokenizeLimits) -> None:
+    if result.rejections:
+        listed = "\n  ".join(f"{r['pair_id']} ({r['reason']}: {r['detail']})" for r in result.rejections)
+        raise TokenizeError(
+            f"{len(result.rejections)} of {result.pairs_in} probe pairs cannot be tokenized under "
+            f"max_length={limits.max_length}, max_prompt_length={limits.max_prompt_length}, "
+            f"truncation={limits.truncation}; the frozen probe must be scored whole, so raise the "
+            f"limits (or re-freeze a probe from data that fits):\n  {listed}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs
+# ---------------------------------------------------------------------------------------------
+
+def tokens_table(rows: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rows, schema=TOKENS_SCHEMA)
+
+
+def rejections_table(rejections: list[dict]) -> pa.Table:
+    return pa.Table.from_pylist(rejections, schema=REJECTIONS_SCHEMA)
+
+
+def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity: str) -> dict:
+    pair_ids = [r["pair_id"] for r in probe_rows]
+    hashes = [r["token_hash"] for r in probe_rows]
+    return {"pair_ids": pair_ids, "token_hashes": hashes,
+            "token_digest": sha256_json([[p, h] for p, h in zip(pair_ids, hashes)]),
+            "probe_digest": probe_digest, "tokenizer_identity": tok_identity}
+
+
+def _length_stats(values: Iterable[int]) -> dict:
+    a = np.asarray(list(values), dtype=np.int64)
+    if a.size == 0:
+        return {"count": 0}
+    return {"count": int(a.size), "min": int(a.min()), "max": int(a.max()), "sum": int(a.sum()),
+            "mean": round(float(a.mean()), 4), "p50": round(float(np.percentile(a, 50)), 4),
+            "p95": round(float(np.percentile(a, 95)), 4)}
+
+
+def split_report(result: SplitResult) -> dict:
+    reasons: dict[str, int] = {}
+    for r in result.rejections:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    rows = result.rows
+    return {
+        "pairs_in": result.pairs_in, "pairs_out": len(rows), "rejected": len(result.rejections),
+        "rejected_by_reason": dict(sorted(reasons.items())), "truncated": result.truncated,
+        "prompt_tokens_differ": result.prompt_tokens_differ,
+        "lengths": {
+            "prompt": _length_stats(r["chosen_prompt_len"] for r in rows),
+            "chosen": _length_stats(len(r["chosen_ids"]) for r in rows),
+            "rejected": _length_stats(len(r["rejected_ids"]) for r in rows),
+            "chosen_completion": _length_stats(len(r["chosen_ids"]) - r["chosen_prompt_len"] for r in rows),
+            "rejected_completion": _length_stats(len(r["rejected_ids"]) - r["rejected_prompt_len"] for r in rows),
+        },
+    }
+
+
+def tokenize_report(results: list[SplitResult], limits: TokenizeLimits, rendering: str,
+                    tok_identity: str) -> dict:
+    splits = {r.split: split_report(r) for r in results}
+    reasons: dict[str, int] = {}
+    for s in splits.values():
+        for k, v in s["rejected_by_reason"].items():
+            reasons[k] = reasons.get(k, 0) + v
+    return {"limits": limits.as_dict(), "rendering": rendering, "tokenizer_identity": tok_identity,
+            "splits": splits,
+            "totals": {"pairs_in": sum(s["pairs_in"] for s in splits.values()),
+                       "pairs_out": sum(s["pairs_out"] for s in splits.values()),
+                       "rejected": sum(s["rejected"] for s in splits.values()),
+                       "rejected_by_reason": dict(sorted(reasons.items())),
+                       "truncated": sum(s["truncated"] for s in splits.values())}}
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def write_outputs(train_result: SplitResult, probe_result: SplitResult, token_manifest: dict,
+                  report: dict, *, train_tokens, probe_tokens, probe_token_manifest, report_path,
+                  rejections) -> None:
+    write_parquet(train_tokens, tokens_table(train_result.rows))
+    write_parquet(probe_tokens, tokens_table(probe_result.rows))
+    write_parquet(rejections, rejections_table(train_result.rejections + probe_result.rejections))
+    write_json(probe_token_manifest, token_manifest)
+    write_json(report_path, report)
+
+
+def read_pairs(path: str) -> list[dict]:
+    return read_parquet(path).to_pylist()
+
+
+def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
+        manifest_path: str, log) -> tuple[SplitResult, SplitResult, dict, dict]:
+    """Everything but writing: returns (train result, probe result, probe token manifest, report)."""
+    manifest = read_json(manifest_path)
+    train, probe = read_pairs(train_path), read_pairs(probe_path)
+    check_pairs(train, train_path)
+    check_pairs(probe, probe_path)
+    check_probe_matches_manifest(probe, manifest, probe_path, manifest_path)
+    overlap = {p["pair_id"] for p in train} & {p["pair_id"] for p in probe}
+    if overlap:
+        raise TokenizeError(f"{len(overlap)} probe pairs are also in {train_path}: {sorted(overlap)[:10]}")
+
+    tok_identity = tokenizer_identity(tokenizer_dir)
+    pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
+    log.info("tokenizer %s (identity %s), rendering: %s", tokenizer_dir, tok_identity, pair_tokenizer.rendering)
+
+    probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
+    check_probe_complete(probe_result, limits)
+    train_result = tokenize_pairs(pair_tokenizer, train, limits, "train")
+    token_manifest = probe_token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity)
+    report = tokenize_report([train_result, probe_result], limits, pair_tokenizer.rendering, tok_identity)
+    return train_result, probe_result, token_manifest, report
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m stages.tokenize", description=__doc__.split("\n")[0])
+    ap.add_argument("--params", required=True)
+    ap.add_argument("--identity", required=True, help="results/ref/ref_identity.json from verify_ref")
+    ap.add_argument("--train", required=True)
+    ap.add_argument("--probe", required=True)
+    ap.add_argument("--probe-manifest", required=True)
+    ap.add_argument("--train-tokens", required=True)
+    ap.add_argument("--probe-tokens", required=True)
+    ap.add_argument("--probe-token-manifest", required=True)
+    ap.add_argument("--report", required=True)
+    ap.add_argument("--rejections", required=True)
+    ap.add_argument("--log")
+    args = ap.parse_args(argv)
+    log = setup_logging(args.log, "tokenize")
+
+    from stages.verify_ref import load_verified_dir
+
+    try:
+        limits = TokenizeLimits.from_params(load_params(args.params)["tokenize"])
+        tokenizer_dir = load_verified_dir(args.identity)
+        train_result, probe_result, token_manifest, report = run(
+            limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, log)
+    except TokenizeError as e:
+        log.error("%s", e)
+        raise SystemExit(1) from None  # the message is in the log (stderr + log file)
+
+    write_outputs(train_result, probe_result, token_manifest, report, train_tokens=args.train_tokens,
+                  probe_tokens=args.probe_tokens, probe_token_manifest=args.probe_token_manifest,
+                  report_path=args.report, rejections=args.rejections)
+    log.info("train: %d pairs in, %d out, %d rejected %s, %d truncated; probe: %d pairs, digest %s",
+             train_result.pairs_in, len(train_result.rows), len(train_result.rejections),
+             canonical_json(report["splits"]["train"]["rejected_by_reason"]), train_result.truncated,
+             len(probe_result.rows), token_manifest["token_digest"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,490 @@
+"""tokenize stage: real GPT-2 tokenizer on real HH-RLHF pairs, plain and chat-template renderings.
+
+The HH transcripts are parsed here in the simplest way (prompt = turns before the last
+"\\n\\nAssistant:"); the real parser is the normalize stage's.
+"""
+from __future__ import annotations
+
+import functools
+import gzip
+import json
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from stages.lib.io import read_json, read_parquet, sha256_json, write_json, write_parquet
+from stages.tokenize import (BranchRejected, PairTokenizer, TokenizeError, TokenizeLimits,
+                             check_pairs, check_probe_complete, check_probe_matches_manifest,
+                             completion_start, content_hash, load_tokenizer, render_plain, run,
+                             token_hash, tokenize_pairs, tokenizer_identity, write_outputs)
+
+LOG = logging.getLogger("test_tokenize")
+UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Generation prompt ends with a space: byte-level BPE glues that space onto the answer's first word.
+SPACE_ENDED = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n\n{% endfor %}"
+               "{% if add_generation_prompt %}assistant: {% endif %}")
+# No end-of-turn marker after the assistant turn: the stage must append EOS itself.
+NO_END_MARKER = ("{% for m in messages %}{{ m.role }}:\n{{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:\n{% endif %}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Real data helpers
+# ---------------------------------------------------------------------------------------------
+
+def parse_hh(chosen: str, rejected: str) -> dict | None:
+    tag = "\n\nAssistant:"
+    cut = chosen.rfind(tag)
+    prefix = chosen[:cut]
+    if cut < 0 or not rejected.startswith(prefix + tag):
+        return None
+    parts = re.split(r"\n\n(Human|Assistant):", prefix)
+    if parts[0] != "":
+        return None
+    prompt = [{"role": "user" if parts[k] == "Human" else "assistant", "content": parts[k + 1].strip()}
+              for k in range(1, len(parts), 2)]
+    pair = {"prompt": prompt,
+            "chosen": [{"role": "assistant", "content": chosen[cut + len(tag):].strip()}],
+            "rejected": [{"role": "assistant", "content": rejected[cut + len(tag):].strip()}]}
+    return pair
+
+
+def as_pair(messages: dict, row: int) -> dict:
+    h = content_hash(messages)
+    return {"pair_id": h[:24], "content_hash": h, "source": "hh", **messages, "margin": None,
+            "src_file": "harmless-base-test.jsonl.gz", "src_row": row}
+
+
+def load_hh_pairs(path: Path, limit: int | None = None) -> list[dict]:
+    pairs, seen = [], set()
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        for row, line in enumerate(f):
+            rec = json.loads(line)
+            messages = parse_hh(rec["chosen"], rec["rejected"])
+            if messages is None or messages["chosen"] == messages["rejected"]:
+                continue
+            pair = as_pair(messages, row)
+            if pair["pair_id"] in seen:
+                continue
+            seen.add(pair["pair_id"])
+            pairs.append(pair)
+            if limit is not None and len(pairs) == limit:
+                break
+    return pairs
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
+
+def gpt2_with_template(src: Path, dst: Path, template: str, extra_specials=()) -> Path:
+    """A copy of the real GPT-2 tokenizer saved with a chat template (and extra special tokens)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(src))
+    if extra_specials:
+        tok.add_special_tokens({"additional_special_tokens": list(extra_specials)})
+    tok.chat_template = template
+    tok.save_pretrained(str(dst))
+    return dst
+
+
+@pytest.fixture
+def hh_pairs(hh_rlhf_path) -> list[dict]:
+    return load_hh_pairs(hh_rlhf_path)
+
+
+@functools.lru_cache(maxsize=None)
+def _load_tokenizer_once(path: Path):
+    return load_tokenizer(path)
+
+
+@pytest.fixture
+def gpt2(gpt2_tokenizer_dir):
+    return _load_tokenizer_once(gpt2_tokenizer_dir)
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundary correctness on real text
+# ---------------------------------------------------------------------------------------------
+
+def test_plain_rendering_boundary_on_real_hh_pairs(gpt2, hh_pairs):
+    assert len(hh_pairs) > 2000
+    pair_tok = PairTokenizer(gpt2)
+    assert pair_tok.rendering == "plain"
+    result = tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train")
+    assert result.rejections == [] and len(result.rows) == len(hh_pairs)
+    for pair, row in zip(hh_pairs, result.rows):
+        assert row["pair_id"] == pair["pair_id"]
+        for side in ("chosen", "rejected"):
+            ids, n = row[f"{side}_ids"], row[f"{side}_prompt_len"]
+            prompt_text, full_text = render_plain(pair["prompt"], pair[side])
+            full_text += gpt2.eos_token
+            # One encoding of the whole rendering, identical to what the HF tokenizer itself gives.
+            assert ids == gpt2(full_text)["input_ids"]
+            assert decode(gpt2, ids[:n]) == prompt_text
+            assert decode(gpt2, ids[n:]) == " " + pair[side][0]["content"] + "<|endoftext|>"
+            assert decode(gpt2, ids[:n]) + decode(gpt2, ids[n:]) == full_text
+            assert ids[-1] == gpt2.eos_token_id and ids.count(gpt2.eos_token_id) == 1
+        assert row["token_hash"] == token_hash(row["chosen_ids"], row["chosen_prompt_len"],
+                                               row["rejected_ids"], row["rejected_prompt_len"])
+    assert result.prompt_tokens_differ == 0
+
+
+def test_plain_rendering_format():
+    prompt = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+              {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Sky colour?"}]
+    prompt_text, full_text = render_plain(prompt, [{"role": "assistant", "content": "Blue."}])
+    assert prompt_text == "System: Be brief.\n\nUser: Hi\n\nAssistant: Hello.\n\nUser: Sky colour?\n\nAssistant:"
+    assert full_text == prompt_text + " Blue."
+
+
+def test_chat_template_boundary_on_real_hh_pairs(gpt2_tokenizer_dir, hh_rlhf_path, tmp_path):
+    tok = load_tokenizer(gpt2_with_template(gpt2_tokenizer_dir, tmp_path / "chatml", CHATML,
+                                            ["<|im_start|>", "<|im_end|>"]))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    pairs = load_hh_pairs(hh_rlhf_path, limit=300)
+    pair_tok = PairTokenizer(tok)
+    assert pair_tok.rendering == "chat_template"
+    result = tokenize_pairs(pair_tok, pairs, UNLIMITED, "train")
+    assert result.rejections == [] and len(result.rows) == len(pairs)
+    for pair, row in zip(pairs, result.rows):
+        for side in ("chosen", "rejected"):
+            ids, n = row[f"{side}_ids"], row[f"{side}_prompt_len"]
+            prompt_text = tok.apply_chat_template(pair["prompt"], add_generation_prompt=True, tokenize=False)
+            full_text = tok.apply_chat_template(pair["prompt"] + pair[side], tokenize=False)
+            assert ids == tok(full_text, add_special_tokens=False)["input_ids"]
+            assert decode(tok, ids[:n]) == prompt_text
+            # The template's end-of-turn is the stop signal: no EOS appended after it.
+            assert decode(tok, ids[n:]) == pair[side][0]["content"] + "<|im_end|>\n"
+            assert decode(tok, ids[:n]) + decode(tok, ids[n:]) == full_text
+            assert im_end in ids[n:] and tok.eos_token_id not in ids
+
+
+def test_chat_template_without_end_marker_gets_eos(gpt2_tokenizer_dir, hh_rlhf_path, tmp_path):
+    tok = load_tokenizer(gpt2_with_template(gpt2_tokenizer_dir, tmp_path / "plain_tpl", NO_END_MARKER))
+    pairs = load_hh_pairs(hh_rlhf_path, limit=50)
+    result = tokenize_pairs(PairTokenizer(tok), pairs, UNLIMITED, "train")
+    assert result.rejections == []
+    for pair, row in zip(pairs, result.rows):
+        ids, n = row["chosen_ids"], row["chosen_prompt_len"]
+        assert decode(tok, ids[n:]) == pair["chosen"][0]["content"] + "\n<|endoftext|>"
+        assert ids[-1] == tok.eos_token_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Straddling tokens
+# ---------------------------------------------------------------------------------------------
+
+def test_completion_start_semantics():
+    # Zero-width BOS and a token ending exactly at the boundary are prompt; a token starting at it is completion.
+    assert completion_start([(0, 0), (0, 4), (4, 10), (10, 12), (12, 13)], 10) == 3
+    assert completion_start([(0, 4), (4, 10)], 10) == 2  # nothing after the prompt
+    with pytest.raises(BranchRejected) as e:
+        completion_start([(0, 4), (4, 9), (9, 12)], 10)
+    assert e.value.reason == "boundary_straddles_token" and "[9, 12)" in e.value.detail
+
+
+def test_straddling_token_is_rejected_on_real_tokenizer(gpt2_tokenizer_dir, hh_rlhf_path, tmp_path):
+    tok = load_tokenizer(gpt2_with_template(gpt2_tokenizer_dir, tmp_path / "space", SPACE_ENDED))
+    pairs = load_hh_pairs(hh_rlhf_path, limit=20)
+    prompt_text = tok.apply_chat_template(pairs[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    assert prompt_text.endswith("assistant: ")
+    result = tokenize_pairs(PairTokenizer(tok), pairs, UNLIMITED, "train")
+    # " Word" is one GPT-2 token starting on the prompt's trailing space: every pair straddles.
+    assert result.rows == []
+    assert {r["reason"] for r in result.rejections} == {"boundary_straddles_token"}
+    assert [r["pair_id"] for r in result.rejections] == [p["pair_id"] for p in pairs]
+    assert result.rejections[0]["detail"].startswith("chosen: token ")
+
+
+def test_trimmed_offsets_cannot_hide_a_straddle(gpt2_tokenizer_dir, hh_rlhf_path, tmp_path):
+    """A ByteLevel post-processor with trim_offsets moves " Word" to start after its space."""
+    d = gpt2_with_template(gpt2_tokenizer_dir, tmp_path / "trim", SPACE_ENDED)
+    spec = json.loads((d / "tokenizer.json").read_text())
+    spec["post_processor"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True,
+                              "use_regex": True}
+    (d / "tokenizer.json").write_text(json.dumps(spec))
+    tok = load_tokenizer(d)
+    pair = load_hh_pairs(hh_rlhf_path, limit=1)[0]
+    prompt_text = tok.apply_chat_template(pair["prompt"], add_generation_prompt=True, tokenize=False)
+    full_text = tok.apply_chat_template(pair["prompt"] + pair["chosen"], tokenize=False)
+    trimmed = tok(full_text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    # With the tokenizer's own (trimmed) offsets the straddle is invisible ...
+    completion_start(trimmed, len(prompt_text))
+    # ... the stage encodes with trimming off and sees it.
+    result = tokenize_pairs(PairTokenizer(tok), [pair], UNLIMITED, "train")
+    assert [r["reason"] for r in result.rejections] == ["boundary_straddles_token"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Template and content failures
+# ---------------------------------------------------------------------------------------------
+
+def _one_pair(prompt_text="What colour is the sky?", chosen="Blue.", rejected="Green."):
+    return as_pair({"prompt": [{"role": "user", "content": prompt_text}],
+                    "chosen": [{"role": "assistant", "content": chosen}],
+                    "rejected": [{"role": "assistant", "content": rejected}]}, 0)
+
+
+@pytest.mark.parametrize("template, pair_kwargs, reason", [
+    # The header counts the messages, so the prompt rendering is not a prefix of the full one.
+    ("{{ messages|length }} turns\n" + CHATML, {}, "template_not_prefix"),
+    # Assistant content is replaced by the template: the completion would not be what is scored.
+    ("{% for m in messages %}{% if m.role == 'user' %}User: {{ m.content }}\n{% else %}"
+     "Assistant: [redacted]\n{% endif %}{% endfor %}{% if add_generation_prompt %}Assistant:{% endif %}",
+     {}, "template_drops_completion"),
+    ("{% for m in messages %}{% if m.role == 'user' and 'forbidden' in m.content %}"
+     "{{ raise_exception('no forbidden words') }}{% endif %}{{ m.content }}\n{% endfor %}"
+     "{% if add_generation_prompt %}A:{% endif %}", {"prompt_text": "a forbidden question"}, "template_error"),
+    (CHATML, {"chosen": "Blue.<|endoftext|>User: more"}, "special_token_in_content"),
+])
+def test_template_and_content_rejections(gpt2_tokenizer_dir, tmp_path, template, pair_kwargs, reason):
+    tok = load_tokenizer(gpt2_with_template(gpt2_tokenizer_dir, tmp_path / "t", template,
+                                            ["<|im_start|>", "<|im_end|>"]))
+    result = tokenize_pairs(PairTokenizer(tok), [_one_pair(**pair_kwargs)], UNLIMITED, "train")
+    assert [r["reason"] for r in result.rejections] == [reason]
+    assert result.rows == []
+
+
+def test_special_token_in_plain_content_is_rejected(gpt2):
+    pair = _one_pair(prompt_text="say <|endoftext|> twice")
+    result = tokenize_pairs(PairTokenizer(gpt2), [pair, _one_pair()], UNLIMITED, "train")
+    assert [(r["pair_id"], r["reason"]) for r in result.rejections] == [(pair["pair_id"], "special_token_in_content")]
+    assert len(result.rows) == 1
+
+
+def test_template_without_generation_prompt_is_refused(gpt2_tokenizer_dir, tmp_path):
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+    tok = load_tokenizer(gpt2_with_template(gpt2_tokenizer_dir, tmp_path / "nogen", template))
+    with pytest.raises(TokenizeError, match="add_generation_prompt"):
+        PairTokenizer(tok)
+
+
+def test_empty_completion_tokens(gpt2):
+    [out] = PairTokenizer(gpt2).encode([("User: hi\n\nAssistant:", "User: hi\n\nAssistant:")])
+    assert isinstance(out, BranchRejected) and out.reason == "empty_completion_tokens"
+
+
+# ---------------------------------------------------------------------------------------------
+# Truncation policies
+# ---------------------------------------------------------------------------------------------
+
+def test_limits_validation():
+    with pytest.raises(TokenizeError, match="max_prompt_length"):
+        TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 64, "truncation": "reject"})
+    with pytest.raises(TokenizeError, match="truncation"):
+        TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 32, "truncation": "left"})
+
+
+def _expected_reason(full_row: dict, limits: TokenizeLimits) -> str | None:
+    prompt = max(full_row["chosen_prompt_len"], full_row["rejected_prompt_len"])
+    if prompt > limits.max_prompt_length:
+        return "prompt_too_long"
+    if max(len(full_row["chosen_ids"]), len(full_row["rejected_ids"])) > limits.max_length:
+        return "sequence_too_long"
+    return None
+
+
+def test_reject_policy_reason_codes(gpt2, hh_pairs):
+    pair_tok = PairTokenizer(gpt2)
+    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
+    limits = TokenizeLimits(max_length=160, max_prompt_length=100, truncation="reject")
+    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    expected = {pid: _expected_reason(r, limits) for pid, r in full.items()}
+    got = {r["pair_id"]: r["reason"] for r in result.rejections}
+    assert got == {pid: reason for pid, reason in expected.items() if reason}
+    assert set(got.values()) == {"prompt_too_long", "sequence_too_long"}  # both occur on real data
+    assert [r["pair_id"] for r in result.rows] == [p["pair_id"] for p in hh_pairs if not expected[p["pair_id"]]]
+    for row in result.rows:  # kept pairs are untouched
+        assert row == full[row["pair_id"]]
+    rej = next(r for r in result.rejections if r["reason"] == "sequence_too_long")
+    assert rej["src_file"] == "harmless-base-test.jsonl.gz" and rej["chosen_tokens"] == len(full[rej["pair_id"]]["chosen_ids"])
+
+
+def test_truncate_completion_policy(gpt2, hh_pairs):
+    pair_tok = PairTokenizer(gpt2)
+    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
+    limits = TokenizeLimits(max_length=160, max_prompt_length=100, truncation="truncate_completion")
+    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    reasons = {pid: _expected_reason(r, limits) for pid, r in full.items()}
+    assert {r["pair_id"]: r["reason"] for r in result.rejections} == {
+        pid: "prompt_too_long" for pid, reason in reasons.items() if reason == "prompt_too_long"}
+    assert result.truncated == sum(reason == "sequence_too_long" for reason in reasons.values()) > 0
+    for row in result.rows:
+        ref = full[row["pair_id"]]
+        for side in ("chosen", "rejected"):
+            ids = row[f"{side}_ids"]
+            assert ids == ref[f"{side}_ids"][:limits.max_length]
+            assert row[f"{side}_prompt_len"] == ref[f"{side}_prompt_len"] < len(ids) <= limits.max_length
+        if reasons[row["pair_id"]] == "sequence_too_long":
+            assert row != ref and row["token_hash"] != ref["token_hash"]
+
+
+# ---------------------------------------------------------------------------------------------
+# Probe integrity and the whole stage (run + write_outputs; main() needs verify_ref)
+# ---------------------------------------------------------------------------------------------
+
+PAIRS_SCHEMA = pa.schema([
+    ("pair_id", pa.string()), ("content_hash", pa.string()), ("source", pa.string()),
+    ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("chosen", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("rejected", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+    ("margin", pa.float64()), ("src_file", pa.string()), ("src_row", pa.int64()),
+])
+
+
+def probe_manifest(probe: list[dict]) -> dict:
+    ids, hashes = [p["pair_id"] for p in probe], [p["content_hash"] for p in probe]
+    return {"size": len(probe), "seed": 1, "selection": "test", "pair_ids": ids, "content_hashes": hashes,
+            "probe_digest": sha256_json([[i, h] for i, h in zip(ids, hashes)])}
+
+
+def write_probe_inputs(d: Path, train: list[dict], probe: list[dict], manifest: dict | None = None) -> dict:
+    d.mkdir(parents=True, exist_ok=True)
+    write_parquet(d / "train.parquet", pa.Table.from_pylist(train, schema=PAIRS_SCHEMA))
+    write_parquet(d / "probe.parquet", pa.Table.from_pylist(probe, schema=PAIRS_SCHEMA))
+    write_json(d / "probe_manifest.json", manifest or probe_manifest(probe))
+    return {"train_path": str(d / "train.parquet"), "probe_path": str(d / "probe.parquet"),
+            "manifest_path": str(d / "probe_manifest.json")}
+
+
+def run_and_write(limits, tok_dir, inputs: dict, out: Path) -> dict:
+    results = run(limits, tok_dir, log=LOG, **inputs)
+    paths = {"train_tokens": out / "train_tokens.parquet", "probe_tokens": out / "probe_tokens.parquet",
+             "probe_token_manifest": out / "probe_token_manifest.json",
+             "report_path": out / "tokenize_report.json", "rejections": out / "token_rejections.parquet"}
+    write_outputs(*results, **paths)
+    return paths
+
+
+PROBE_FITS = TokenizeLimits(max_length=256, max_prompt_length=200, truncation="reject")
+
+
+@pytest.fixture
+def split_pairs(gpt2, hh_pairs):
+    """(train, probe): 400 real pairs; the probe is 40 of those that fit PROBE_FITS, in a fixed shuffled order."""
+    margins = [None, 0.5, 2.0]
+    pairs = [dict(p, margin=margins[i % 3]) for i, p in enumerate(hh_pairs[:400])]
+    fitting = {r["pair_id"] for r in tokenize_pairs(PairTokenizer(gpt2), pairs, PROBE_FITS, "probe").rows}
+    probe_ids = {p["pair_id"] for p in pairs if p["pair_id"] in fitting}
+    probe_ids = set(sorted(probe_ids)[:40])
+    probe = sorted((p for p in pairs if p["pair_id"] in probe_ids), key=lambda p: sha256_json(["probe", p["pair_id"]]))
+    return sorted((p for p in pairs if p["pair_id"] not in probe_ids), key=lambda p: p["pair_id"]), probe
+
+
+def test_stage_outputs_are_deterministic_and_bind_the_probe(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    train, probe = split_pairs
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    limits = PROBE_FITS
+    a = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "a")
+    b = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "b")
+    for key in a:
+        assert Path(a[key]).read_bytes() == Path(b[key]).read_bytes(), key
+
+    probe_tokens = read_parquet(a["probe_tokens"])
+    assert probe_tokens.schema.field("chosen_ids").type == pa.list_(pa.int32())
+    assert probe_tokens.schema.field("chosen_prompt_len").type == pa.int32()
+    rows = probe_tokens.to_pylist()
+    assert [r["pair_id"] for r in rows] == [p["pair_id"] for p in probe]
+    assert [r["margin"] for r in rows] == [p["margin"] for p in probe]
+    manifest, frozen = read_json(a["probe_token_manifest"]), read_json(inputs["manifest_path"])
+    assert manifest["pair_ids"] == frozen["pair_ids"]
+    assert manifest["probe_digest"] == frozen["probe_digest"]
+    assert manifest["token_hashes"] == [token_hash(r["chosen_ids"], r["chosen_prompt_len"],
+                                                   r["rejected_ids"], r["rejected_prompt_len"]) for r in rows]
+    assert manifest["token_digest"] == sha256_json([[r["pair_id"], r["token_hash"]] for r in rows])
+    assert manifest["tokenizer_identity"] == tokenizer_identity(gpt2_tokenizer_dir)
+
+    report = read_json(a["report_path"])
+    rejections = read_parquet(a["rejections"]).to_pylist()
+    train_tokens = read_parquet(a["train_tokens"]).to_pylist()
+    assert report["splits"]["probe"]["pairs_out"] == len(probe) and report["splits"]["probe"]["rejected"] == 0
+    assert report["splits"]["train"]["pairs_out"] == len(train_tokens)
+    assert report["splits"]["train"]["rejected"] == len(rejections) > 0
+    assert len(train_tokens) + len(rejections) == len(train)
+    assert {r["split"] for r in rejections} == {"train"}
+    assert report["totals"]["rejected_by_reason"] == {
+        reason: sum(r["reason"] == reason for r in rejections) for reason in {r["reason"] for r in rejections}}
+    assert all(len(r["chosen_ids"]) <= 256 and r["chosen_prompt_len"] <= 200 for r in train_tokens)
+
+
+def test_tokenizer_identity_tracks_tokenizer_files(gpt2_tokenizer_dir, tmp_path):
+    copy = tmp_path / "gpt2"
+    shutil.copytree(gpt2_tokenizer_dir, copy)
+    assert tokenizer_identity(copy) == tokenizer_identity(gpt2_tokenizer_dir)
+    cfg = json.loads((copy / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = CHATML
+    (copy / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert tokenizer_identity(copy) != tokenizer_identity(gpt2_tokenizer_dir)
+    with pytest.raises(TokenizeError, match="no tokenizer files"):
+        tokenizer_identity(tmp_path)
+
+
+def test_probe_too_long_fails_listing_pairs_and_limits(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    train, probe = split_pairs
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    limits = TokenizeLimits(max_length=128, max_prompt_length=64, truncation="truncate_completion")
+    pair_tok = PairTokenizer(load_tokenizer(gpt2_tokenizer_dir))
+    too_long = [r["pair_id"] for r in tokenize_pairs(pair_tok, probe, limits, "probe").rejections]
+    assert too_long  # real HH prompts exceed 64 tokens
+    with pytest.raises(TokenizeError) as e:
+        run(limits, gpt2_tokenizer_dir, log=LOG, **inputs)
+    msg = str(e.value)
+    assert f"{len(too_long)} of {len(probe)} probe pairs" in msg
+    assert "max_length=128" in msg and "max_prompt_length=64" in msg and "truncation=truncate_completion" in msg
+    assert all(f"{pid} (prompt_too_long" in msg for pid in too_long)
+
+
+def test_check_probe_complete_passes_when_nothing_rejected(gpt2, split_pairs):
+    _, probe = split_pairs
+    check_probe_complete(tokenize_pairs(PairTokenizer(gpt2), probe, UNLIMITED, "probe"), UNLIMITED)
+
+
+def test_probe_must_match_its_manifest(split_pairs):
+    _, probe = split_pairs
+    manifest = probe_manifest(probe)
+    check_probe_matches_manifest(probe, manifest, "probe.parquet", "probe_manifest.json")
+
+    swapped = [probe[1], probe[0], *probe[2:]]
+    with pytest.raises(TokenizeError, match="does not hold the probe .*index 0"):
+        check_probe_matches_manifest(swapped, manifest, "probe.parquet", "probe_manifest.json")
+    with pytest.raises(TokenizeError, match="1 manifest IDs missing"):
+        check_probe_matches_manifest(probe[:-1], manifest, "probe.parquet", "probe_manifest.json")
+    with pytest.raises(TokenizeError, match="content hashes differ"):
+        check_probe_matches_manifest(probe, dict(manifest, content_hashes=["0" * 64] * len(probe)),
+                                     "probe.parquet", "probe_manifest.json")
+    with pytest.raises(TokenizeError, match="probe digest"):
+        check_probe_matches_manifest(probe, dict(manifest, probe_digest="0" * 64), "probe.parquet",
+                                     "probe_manifest.json")
+
+
+def test_run_refuses_edited_or_mismatched_inputs(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    train, probe = split_pairs
+    # A probe parquet in another order than the frozen manifest.
+    inputs = write_probe_inputs(tmp_path / "order", train, probe[::-1], manifest=probe_manifest(probe))
+    with pytest.raises(TokenizeError, match="does not hold the probe"):
+        run(UNLIMITED, gpt2_tokenizer_dir, log=LOG, **inputs)
+    # A completion edited after normalize: its content no longer hashes to its pair ID.
+    edited = [dict(p) for p in probe]
+    edited[3]["chosen"] = [{"role": "assistant", "content": "something else"}]
+    inputs = write_probe_inputs(tmp_path / "edit", train, edited, manifest=probe_manifest(probe))
+    with pytest.raises(TokenizeError, match=f"(?s)probe.parquet: 1 pair.*row 3: pair_id {edited[3]['pair_id']}"):
+        run(UNLIMITED, gpt2_tokenizer_dir, log=LOG, **inputs)
+    # A probe pair also in train.
+    inputs = write_probe_inputs(tmp_path / "leak", train + probe[:1], probe)
+    with pytest.raises(TokenizeError, match="probe pairs are also in"):
+        run(UNLIMITED, gpt2_tokenizer_dir, log=LOG, **inputs)
+
+
+def test_check_pairs_catches_duplicates(split_pairs):
+    train, _ = split_pairs
+    check_pairs(train, "train.parquet")
+    with pytest.raises(TokenizeError, match="duplicate pair_id"):
+        check_pairs(train + train[:1], "train.parquet")
