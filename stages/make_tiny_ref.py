@@ -150,6 +150,9 @@ def build(data_path: str | os.PathLike, out: str | os.PathLike, repo_id: str = R
         tokenizer.save_pretrained(tmp)
         _canonicalise_json_files(tmp)
         lock_sha = verify_ref.pin(tmp, repo_id)
+        for p in tmp.iterdir():  # mkdtemp/safetensors create 0700/0600; a committed model is world-readable
+            p.chmod(0o644)
+        tmp.chmod(0o755)
         if out.exists():
             shutil.rmtree(out)
         os.replace(tmp, out)

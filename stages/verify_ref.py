@@ -403,11 +403,9 @@ def completeness_problems(root: Path, expected: dict[str, Expected], on_disk: se
     """
     problems: list[str] = []
 
-    def require_covered(rel: str, what: str, missing_msg: str) -> bool:
-        if rel in expected:
-            return True
-        problems.append(_unverified(root, rel, missing_claim) if rel in on_disk else f"{root / rel}: {missing_msg} ({what})")
-        return False
+    def require_covered(rel: str, what: str) -> None:
+        if rel not in expected:
+            problems.append(_unverified(root, rel, missing_claim) if rel in on_disk else f"{root / rel}: missing ({what})")
 
     # ---- weights: a single file, or an index whose every shard is safe, present and verified
     entry_points = [r for r in SINGLE_WEIGHT_FILES if r in on_disk or r in expected]
@@ -416,7 +414,7 @@ def completeness_problems(root: Path, expected: dict[str, Expected], on_disk: se
         problems.append(f"{root}: no weight entry point: expected model.safetensors, pytorch_model.bin or a "
                         "*.safetensors.index.json / *.bin.index.json weight index")
     for rel in entry_points:
-        require_covered(rel, "weights", "missing")
+        require_covered(rel, "weights")
     for rel in sorted(r for r in set(on_disk) | set(expected) if is_weight_index(r)):
         if rel not in index_bytes:
             if rel not in expected:
@@ -425,7 +423,7 @@ def completeness_problems(root: Path, expected: dict[str, Expected], on_disk: se
         problems += _index_problems(root, rel, index_bytes[rel], expected, on_disk, missing_claim)
 
     # ---- config and tokenizer
-    require_covered(CONFIG_FILE, "model config", "missing")
+    require_covered(CONFIG_FILE, "model config")
     vocab = [r for r in TOKENIZER_VOCAB_FILES if r in on_disk]
     if not vocab:
         problems.append(f"{root}: no tokenizer files (need one of {', '.join(TOKENIZER_VOCAB_FILES)})")
@@ -591,15 +589,21 @@ def read_identity(identity_path: str | os.PathLike) -> dict:
     return identity
 
 
-def load_verified_dir(identity_path: str | os.PathLike, deep: bool = False, workers: int | None = None) -> Path:
+def load_verified_dir(identity_path: str | os.PathLike, expect_digest: str | None = None, deep: bool = False,
+                      workers: int | None = None) -> Path:
     """Cheap re-check between stages; returns the directory to load the reference from.
 
     Checks the identity's own digest, every file present with its recorded size, the lock's SHA-256
     (local) or each file's metadata commit and ETag (hf), and that no file transformers would load has
-    appeared since verification. `deep=True` also re-hashes every file (full verify cost).
+    appeared since verification. `expect_digest`: the identity_digest an upstream artifact recorded
+    (e.g. the tokenizer identity in the token manifest), so a valid identity of *another* snapshot
+    swapped in is refused too. `deep=True` also re-hashes every file (full verify cost).
     """
     identity_path = Path(identity_path)
     identity = read_identity(identity_path)
+    if expect_digest is not None and identity["identity_digest"] != expect_digest:
+        raise RefIdentityError(f"{identity_path}: identity_digest {identity['identity_digest']} is not the "
+                               f"{expect_digest} recorded upstream: a different reference was verified since")
     root = Path(identity["local_dir"])
     if not root.is_dir():
         raise RefIdentityError(f"{root}: reference directory named by {identity_path} is missing")
@@ -677,6 +681,8 @@ def main(argv: list[str] | None = None) -> int:
     from stages.lib.params import load_params
 
     setup_logging(args.log, "verify_ref")
+    # A failed verification must not leave a previous run's identity looking current.
+    Path(args.identity).unlink(missing_ok=True)
     params = load_params(args.params)
     try:
         identity = verify_reference(params["ref"], args.workers)

@@ -191,6 +191,10 @@ def test_cli_verify_writes_identity_and_load_verified_dir_returns_dir(snap, tmp_
     assert identity == verify_reference(hf_ref(snap))
     assert "identity_digest" in log_file.read_text()
     assert load_verified_dir(out) == snap.resolve()
+    # a failed re-run removes the stale identity instead of leaving it looking current
+    (snap / "config.json").write_text("{}")
+    assert verify_ref.main(["verify", "--params", str(tmp_path / "params.yaml"), "--identity", str(out)]) == 1
+    assert not out.exists()
 
 
 def test_extras_are_reported_and_listed_not_verified(snap, caplog):
@@ -459,6 +463,12 @@ def test_load_verified_dir_catches_edited_or_swapped_identity(local_dir, snap, t
             load_verified_dir(tmp_path / "edited.json")
     with pytest.raises(RefIdentityError, match="no reference identity"):
         load_verified_dir(tmp_path / "absent.json")
+    # a *valid* identity of another snapshot swapped in: caught against the digest recorded upstream
+    recorded = json.loads(ident.read_text())["identity_digest"]
+    other = _write_identity(hf_ref(snap), tmp_path / "other.json")
+    assert load_verified_dir(ident, expect_digest=recorded) == local_dir.resolve()
+    with pytest.raises(RefIdentityError, match=f"is not the {recorded} recorded upstream"):
+        load_verified_dir(other, expect_digest=recorded)
 
 
 def test_load_verified_dir_catches_repin_and_hf_redownload(local_dir, snap, built, tmp_path):
