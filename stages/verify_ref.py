@@ -1,0 +1,700 @@
+"""verify_ref: prove, offline, that the reference model directory is exactly the pinned snapshot.
+
+    python -m stages.verify_ref verify --params params.yaml --identity results/ref/ref_identity.json --log L
+    python -m stages.verify_ref pin DIR [--repo-id NAME]      # writes DIR/prefpipe.lock.json, prints its sha256
+
+Two kinds of snapshot (`ref.source` in params.yaml):
+
+- `hf`: a directory made by `hf download REPO --revision SHA --local-dir DIR`. `ref.revision` must be the
+  full 40-hex commit SHA. Every file needs `DIR/.cache/huggingface/download/<relpath>.metadata`
+  (`commit_hash\\netag\\ntimestamp\\n`, parsed here: huggingface_hub's reader takes locks, creates
+  folders and deletes metadata it cannot parse, so it must never run on a snapshot we are proving)
+  whose commit is the pinned revision. Content is re-hashed, never trusted from metadata or mtimes:
+  a 40-hex ETag is the git blob SHA-1 (`sha1(b"blob %d\\0" % size + data)` == `git hash-object`),
+  a 64-hex ETag is the LFS SHA-256.
+- `local`: any other directory (e.g. your own SFT checkpoint, or the embedded tiny model), pinned by
+  `pin`, which writes `DIR/prefpipe.lock.json`: per-file size and SHA-256 plus `files_digest` (the
+  SHA-256 of the canonical file list). The lock is not listed in itself. `pin` prints the lock's own
+  SHA-256 (`sha256sum DIR/prefpipe.lock.json` gives the same); put it in `ref.revision` to pin the lock.
+
+What each mode proves (and what it cannot):
+- `local` with `ref.revision` = the lock's SHA-256, committed in params.yaml: git pins the lock, the lock
+  pins every byte. Any edit to the lock (hand edit or a consistent re-pin) or to a file fails.
+- `local` with `ref.revision: null`: only the lock's internal consistency is checked (a hand edit that
+  does not recompute `files_digest` fails); a consistent re-pin by someone with write access cannot be
+  detected offline. verify warns, and the identity records the lock's SHA-256 as `revision`
+  (`revision_pinned: false`), so a re-pin shows up as a different identity_digest between runs.
+- `hf`: content is proved equal to the ETags in the metadata, and the metadata claims the pinned
+  commit. Offline nothing binds ETags to the commit cryptographically (that needs the hub's tree), so
+  someone who rewrites weights *and* metadata consistently is not caught here; the identity lists every
+  file's ETag-equivalent hash, which anyone online can compare with the hub at that revision.
+
+Completeness: `model.safetensors`, `pytorch_model.bin`, or a weight index (`*.safetensors.index.json` /
+`*.bin.index.json`) with a non-empty `weight_map` whose every shard path is relative, normalised (no
+`..`, `.`, empty, absolute, drive or backslash parts), has the index's suffix, is present and verified;
+`config.json` and at least one tokenizer vocabulary file are present and verified. Files outside the
+metadata/lock are reported as unverified `extras` (warned, listed in the identity); an unverified file
+that transformers would load (config, tokenizer, weights, chat templates, code) is an error instead.
+`.cache/huggingface/` bookkeeping (CACHEDIR.TAG, .gitignore, *.metadata, *.lock) is accepted.
+
+Nothing loads the model here; later stages call `load_verified_dir(identity_path)`, which re-checks the
+identity file's own digest, every file's size, the lock's hash (local) or metadata (hf), and that no
+loadable file appeared, then returns the directory to load from.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Callable, Iterable
+
+from stages.lib.io import read_json, sha256_bytes, sha256_json, setup_logging, write_json
+
+log = logging.getLogger("verify_ref")
+
+# ======================================================================================= constants
+
+LOCK_NAME = "prefpipe.lock.json"
+LOCK_FORMAT = "prefpipe-ref-lock/1"
+IDENTITY_FORMAT = "prefpipe-ref-identity/1"
+HF_DIR = ".cache/huggingface"
+HF_DOWNLOAD_DIR = HF_DIR + "/download"
+HF_BOOKKEEPING_FILES = {HF_DIR + "/CACHEDIR.TAG", HF_DIR + "/.gitignore", HF_DIR + "/.gitignore.lock"}
+
+GIT_SHA1 = "git-sha1"  # git blob SHA-1, the hub's ETag for non-LFS files
+SHA256 = "sha256"  # the hub's ETag for LFS files; also every hash in a local lock
+
+COMMIT_RE = re.compile(r"[0-9a-f]{40}")
+SHA256_RE = re.compile(r"[0-9a-f]{64}")
+DRIVE_RE = re.compile(r"^[A-Za-z]:")
+
+SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_SUFFIXES = (".safetensors", ".bin")
+CONFIG_FILE = "config.json"
+# One of these must be present and verified: without a vocabulary there is no tokenizer.
+TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
+                         "sentencepiece.bpe.model")
+# Root files transformers reads on from_pretrained (model or tokenizer): never allowed unverified.
+LOADED_ROOT_FILES = frozenset({
+    CONFIG_FILE, "generation_config.json", *SINGLE_WEIGHT_FILES, *TOKENIZER_VOCAB_FILES,
+    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt",
+    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
+})
+LOADED_DIRS = ("additional_chat_templates/",)
+
+HASH_CHUNK = 4 << 20  # per-thread read buffer; memory is bounded by workers * HASH_CHUNK
+MAX_INDEX_BYTES = 64 << 20  # weight indexes are read whole (hashed and parsed from the same bytes)
+
+
+class RefIdentityError(ValueError):
+    """The reference directory (or its identity file) is not what was pinned; the message names files."""
+
+
+def _fail(header: str, problems: Iterable[str]) -> None:
+    problems = list(dict.fromkeys(problems))  # dedupe, keep order
+    if problems:
+        raise RefIdentityError(header + "\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def default_workers() -> int:
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+# ========================================================================================= hashing
+
+def git_blob_sha1(data: bytes) -> str:
+    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+
+
+def hash_bytes(data: bytes, algo: str) -> str:
+    return git_blob_sha1(data) if algo == GIT_SHA1 else sha256_bytes(data)
+
+
+def hash_file(path: Path, algo: str, chunk: int = HASH_CHUNK) -> tuple[int, str]:
+    """Stream one file through its hash in bounded memory; returns (size, hex digest).
+
+    hashlib releases the GIL on large updates, so several of these run truly in parallel in threads.
+    """
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        h = hashlib.sha1(b"blob %d\0" % size) if algo == GIT_SHA1 else hashlib.sha256()
+        buf = bytearray(min(chunk, max(size, 1)))
+        view = memoryview(buf)
+        total = 0
+        while n := f.readinto(buf):
+            h.update(view[:n])
+            total += n
+    if total != size:  # the git prefix committed to `size`; a file growing/shrinking mid-read is no proof
+        raise OSError(f"changed size while being hashed ({size} -> {total} bytes)")
+    return size, h.hexdigest()
+
+
+def hash_files(root: Path, jobs: dict[str, str], workers: int | None = None) -> dict[str, tuple[int, str] | str]:
+    """Hash {relpath: algo} in parallel (largest first); value is (size, hex) or an error string."""
+    def one(rel: str) -> tuple[int, str] | str:
+        try:
+            return hash_file(root / rel, jobs[rel])
+        except OSError as e:
+            return f"cannot read: {e.strerror or e}"
+
+    def size_of(rel: str) -> int:
+        try:
+            return (root / rel).stat().st_size
+        except OSError:
+            return 0
+
+    order = sorted(jobs, key=lambda r: (-size_of(r), r))
+    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
+        return dict(zip(order, pool.map(one, order)))
+
+
+# ======================================================================================= inventory
+
+def list_files(root: Path) -> list[str]:
+    """Every regular file (or symlink to one) under root as a posix relpath, sorted."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        rel_dir = Path(dirpath).relative_to(root)
+        for name in filenames:
+            p = Path(dirpath) / name
+            if p.is_file():
+                out.append((rel_dir / name).as_posix())
+    return sorted(out)
+
+
+def is_hf_bookkeeping(rel: str) -> bool:
+    if rel in HF_BOOKKEEPING_FILES:
+        return True
+    return rel.startswith(HF_DOWNLOAD_DIR + "/") and rel.endswith((".metadata", ".lock"))
+
+
+def is_loaded_by_transformers(rel: str) -> bool:
+    if "/" not in rel:
+        return rel in LOADED_ROOT_FILES or rel.endswith(".py") or is_weight_index(rel)
+    return rel.startswith(LOADED_DIRS)
+
+
+def is_weight_index(rel: str) -> bool:
+    return rel.endswith(".index.json") and index_shard_suffix(rel) is not None
+
+
+def index_shard_suffix(rel: str) -> str | None:
+    """`model.safetensors.index.json` -> `.safetensors`; None when the name implies no weight format."""
+    base = PurePosixPath(rel).name[: -len(".index.json")]
+    suffix = PurePosixPath(base).suffix
+    return suffix if suffix in WEIGHT_SUFFIXES else None
+
+
+def unsafe_relpath_reason(path: object) -> str | None:
+    """Why `path` is not a safe, normalised, relative posix path inside the snapshot (None if it is)."""
+    if not isinstance(path, str) or not path:
+        return "not a non-empty string"
+    if "\\" in path:
+        return "contains a backslash"
+    if path.startswith("/"):
+        return "is absolute"
+    if DRIVE_RE.match(path):
+        return "has a drive letter"
+    parts = path.split("/")
+    if ".." in parts:
+        return "contains '..'"
+    if "" in parts or "." in parts:
+        return "is not normalised (empty or '.' component)"
+    if "\0" in path:
+        return "contains a NUL byte"
+    return None
+
+
+# ===================================================================================== expectations
+
+@dataclass(frozen=True)
+class Expected:
+    """What one file must hash to, and where that claim came from (named in every error)."""
+    path: str
+    algo: str
+    hash: str
+    size: int | None  # known for local locks; hf metadata records no size
+    claimed_by: str
+
+
+def parse_hf_metadata(text: str, where: str) -> tuple[str, str, float]:
+    """`commit_hash\\netag\\ntimestamp\\n` -> (commit, etag, timestamp); strict, never mutates anything."""
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines = lines[:-1]
+    if len(lines) != 3:
+        raise RefIdentityError(f"{where}: malformed metadata: expected 3 lines "
+                               f"(commit_hash, etag, timestamp), got {len(lines)}")
+    commit, etag, stamp = (s.strip() for s in lines)
+    if not COMMIT_RE.fullmatch(commit):
+        raise RefIdentityError(f"{where}: malformed metadata: commit_hash {commit!r} is not 40 lowercase hex")
+    if not (COMMIT_RE.fullmatch(etag) or SHA256_RE.fullmatch(etag)):
+        raise RefIdentityError(f"{where}: malformed metadata: etag {etag!r} is neither a 40-hex git blob "
+                               f"SHA-1 nor a 64-hex SHA-256")
+    try:
+        ts = float(stamp)
+    except ValueError:
+        raise RefIdentityError(f"{where}: malformed metadata: timestamp {stamp!r} is not a number") from None
+    return commit, etag, ts
+
+
+def check_hf_revision(revision: object) -> str:
+    if revision is None:
+        raise RefIdentityError("ref.revision is required for ref.source hf: the full 40-hex commit SHA "
+                               "the snapshot was downloaded at (hf download REPO --revision SHA)")
+    if not isinstance(revision, str) or not COMMIT_RE.fullmatch(revision):
+        n = len(revision) if isinstance(revision, str) else 0
+        why = ("has non-hex or uppercase characters" if isinstance(revision, str) and n == 40
+               else f"has {n} characters")
+        raise RefIdentityError(f"ref.revision {revision!r} is not a full 40-hex lowercase commit SHA ({why}); "
+                               "a branch, tag or short SHA can move or be ambiguous")
+    return revision
+
+
+def hf_expectations(root: Path, revision: str, on_disk: set[str]) -> tuple[dict[str, Expected], list[str], set[str]]:
+    """Read every metadata file; returns (expected hashes by relpath, problems, paths with a rejected claim)."""
+    expected: dict[str, Expected] = {}
+    problems: list[str] = []
+    rejected: set[str] = set()
+    for rel_meta in sorted(r for r in on_disk if r.startswith(HF_DOWNLOAD_DIR + "/") and r.endswith(".metadata")):
+        rel = rel_meta[len(HF_DOWNLOAD_DIR) + 1: -len(".metadata")]
+        where = f"{root / rel_meta}"
+        try:
+            commit, etag, _ = parse_hf_metadata((root / rel_meta).read_text(encoding="utf-8"), where)
+        except (RefIdentityError, UnicodeDecodeError, OSError) as e:
+            problems.append(str(e) if isinstance(e, RefIdentityError) else f"{where}: unreadable metadata: {e}")
+            rejected.add(rel)
+            continue
+        if commit != revision:
+            problems.append(f"{root / rel}: metadata {where} is for commit {commit}, not the pinned "
+                            f"revision {revision} (snapshot mixes revisions or is another commit)")
+            rejected.add(rel)
+            continue
+        if rel not in on_disk:
+            problems.append(f"{root / rel}: listed in metadata {where} but the file is missing")
+            continue
+        algo = GIT_SHA1 if len(etag) == 40 else SHA256
+        expected[rel] = Expected(rel, algo, etag, None, where)
+    return expected, problems, rejected
+
+
+# ========================================================================================= local lock
+
+def build_lock(root: Path, repo_id: str, workers: int | None = None) -> dict:
+    files = [r for r in list_files(root) if r != LOCK_NAME and not is_hf_bookkeeping(r)]
+    for r in files:
+        if (why := unsafe_relpath_reason(r)) is not None:
+            raise RefIdentityError(f"{root / r}: cannot pin a file whose path {why}")
+    hashed = hash_files(root, {r: SHA256 for r in files}, workers)
+    errors = [f"{root / r}: {v}" for r, v in hashed.items() if isinstance(v, str)]
+    _fail(f"cannot pin {root}:", errors)
+    entries = [{"path": r, "size": hashed[r][0], "sha256": hashed[r][1]} for r in files]
+    return {"format": LOCK_FORMAT, "repo_id": repo_id, "files": entries, "files_digest": sha256_json(entries)}
+
+
+def pin(root: str | os.PathLike, repo_id: str | None = None, workers: int | None = None) -> str:
+    """Write DIR/prefpipe.lock.json for a complete model directory; returns the lock's own SHA-256."""
+    root = Path(root)
+    if not root.is_dir():
+        raise RefIdentityError(f"{root}: not a directory")
+    lock = build_lock(root, repo_id or f"local/{root.resolve().name}", workers)
+    expected = {e["path"]: Expected(e["path"], SHA256, e["sha256"], e["size"], "pin") for e in lock["files"]}
+    on_disk = set(list_files(root))
+    index_bytes, problems = read_weight_indexes(root, expected)
+    problems += completeness_problems(root, expected, on_disk, index_bytes, lambda rel: "not pinned")
+    _fail(f"refusing to pin {root}: it is not a complete model directory:", problems)
+    write_json(root / LOCK_NAME, lock)
+    return sha256_bytes((root / LOCK_NAME).read_bytes())
+
+
+def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict[str, Expected], dict, list[str]]:
+    """Read and check the lock; returns (expected by relpath, lock record for the identity, problems)."""
+    lock_path = root / LOCK_NAME
+    if not lock_path.is_file():
+        raise RefIdentityError(f"{lock_path}: no lock file; pin the directory first: "
+                               f"python -m stages.verify_ref pin {root} --repo-id {repo_id}")
+    raw = lock_path.read_bytes()
+    lock_sha = sha256_bytes(raw)
+    if revision is not None:
+        if not isinstance(revision, str) or not SHA256_RE.fullmatch(revision):
+            raise RefIdentityError(f"ref.revision {revision!r}: for ref.source local it must be the lock's "
+                                   f"64-hex SHA-256 (printed by pin; sha256sum {lock_path})")
+        if revision != lock_sha:
+            raise RefIdentityError(f"{lock_path}: lock has SHA-256 {lock_sha} but ref.revision pins {revision}: "
+                                   "the lock was edited or re-pinned since params.yaml was committed")
+    try:
+        lock = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise RefIdentityError(f"{lock_path}: not valid JSON ({e})") from None
+    if not isinstance(lock, dict) or lock.get("format") != LOCK_FORMAT:
+        raise RefIdentityError(f"{lock_path}: not a {LOCK_FORMAT} lock (format={lock.get('format') if isinstance(lock, dict) else None!r})")
+    files = lock.get("files")
+    if not isinstance(files, list) or not all(
+            isinstance(e, dict) and set(e) == {"path", "size", "sha256"} for e in files):
+        raise RefIdentityError(f"{lock_path}: 'files' must be a list of {{path, size, sha256}}")
+    if lock.get("files_digest") != sha256_json(files):
+        raise RefIdentityError(f"{lock_path}: files_digest does not match the lock's file list: the lock was "
+                               "edited by hand; re-pin it (python -m stages.verify_ref pin)")
+    if lock.get("repo_id") != repo_id:
+        raise RefIdentityError(f"{lock_path}: pinned as repo_id {lock.get('repo_id')!r} but ref.repo_id is "
+                               f"{repo_id!r}: wrong directory, or set ref.repo_id to match")
+    expected: dict[str, Expected] = {}
+    problems: list[str] = []
+    for e in files:
+        rel, size, digest = e["path"], e["size"], e["sha256"]
+        if (why := unsafe_relpath_reason(rel)) is not None:
+            problems.append(f"{lock_path}: entry {rel!r} {why}")
+        elif not isinstance(size, int) or size < 0 or not isinstance(digest, str) or not SHA256_RE.fullmatch(digest):
+            problems.append(f"{lock_path}: entry {rel!r} has a bad size or sha256")
+        elif not (root / rel).is_file():
+            problems.append(f"{root / rel}: listed in lock {lock_path} but the file is missing")
+        elif (actual := (root / rel).stat().st_size) != size:
+            problems.append(f"{root / rel}: size {actual} differs from {size} in lock {lock_path}")
+        else:
+            expected[rel] = Expected(rel, SHA256, digest, size, str(lock_path))
+    record = {"path": LOCK_NAME, "size": len(raw), "sha256": lock_sha}
+    return expected, record, problems
+
+
+# ===================================================================================== completeness
+
+def read_weight_indexes(root: Path, expected: dict[str, Expected]) -> tuple[dict[str, bytes], list[str]]:
+    """Verify and keep the bytes of every expected weight index, so parsing sees exactly what was hashed."""
+    out: dict[str, bytes] = {}
+    problems: list[str] = []
+    for rel, exp in expected.items():
+        if not is_weight_index(rel):
+            continue
+        p = root / rel
+        if p.stat().st_size > MAX_INDEX_BYTES:
+            problems.append(f"{p}: weight index larger than {MAX_INDEX_BYTES} bytes")
+            continue
+        data = p.read_bytes()
+        got = hash_bytes(data, exp.algo)
+        if got != exp.hash:
+            problems.append(f"{p}: content hash mismatch: {exp.algo} is {got}, {exp.claimed_by} says {exp.hash}")
+            continue
+        out[rel] = data
+    return out, problems
+
+
+def _unverified(root: Path, rel: str, missing_claim: Callable[[str], str]) -> str:
+    return f"{root / rel}: {missing_claim(rel)}: present but not covered, so it cannot be verified"
+
+
+def completeness_problems(root: Path, expected: dict[str, Expected], on_disk: set[str],
+                          index_bytes: dict[str, bytes], missing_claim: Callable[[str], str],
+                          already_reported: frozenset[str] = frozenset()) -> list[str]:
+    """Weight entry point, shards, config and tokenizer: present and covered by metadata/lock.
+
+    `already_reported`: paths whose claim was rejected (e.g. metadata for another commit), so they are
+    not reported a second time as uncovered.
+    """
+    problems: list[str] = []
+
+    def require_covered(rel: str, what: str) -> None:
+        if rel not in expected:
+            problems.append(_unverified(root, rel, missing_claim) if rel in on_disk else f"{root / rel}: missing ({what})")
+
+    # ---- weights: a single file, or an index whose every shard is safe, present and verified
+    entry_points = [r for r in SINGLE_WEIGHT_FILES if r in on_disk or r in expected]
+    entry_points += sorted(r for r in on_disk if "/" not in r and is_weight_index(r))
+    if not entry_points:
+        problems.append(f"{root}: no weight entry point: expected model.safetensors, pytorch_model.bin or a "
+                        "*.safetensors.index.json / *.bin.index.json weight index")
+    for rel in entry_points:
+        require_covered(rel, "weights")
+    for rel in sorted(r for r in set(on_disk) | set(expected) if is_weight_index(r)):
+        if rel not in index_bytes:
+            if rel not in expected:
+                problems.append(_unverified(root, rel, missing_claim))
+            continue  # an expected index that failed its hash is already reported
+        problems += _index_problems(root, rel, index_bytes[rel], expected, on_disk, missing_claim)
+
+    # ---- config and tokenizer
+    require_covered(CONFIG_FILE, "model config")
+    vocab = [r for r in TOKENIZER_VOCAB_FILES if r in on_disk]
+    if not vocab:
+        problems.append(f"{root}: no tokenizer files (need one of {', '.join(TOKENIZER_VOCAB_FILES)})")
+
+    # ---- anything transformers would read must be covered (tokenizer files, chat templates, code...)
+    shard_paths = _all_shard_paths(index_bytes)
+    for rel in sorted(on_disk):
+        if rel not in expected and (is_loaded_by_transformers(rel) or rel in shard_paths):
+            problems.append(_unverified(root, rel, missing_claim))
+    dupes = {_unverified(root, rel, missing_claim) for rel in already_reported}
+    return [p for p in problems if p not in dupes]
+
+
+def _all_shard_paths(index_bytes: dict[str, bytes]) -> set[str]:
+    out: set[str] = set()
+    for rel, data in index_bytes.items():
+        try:
+            wm = json.loads(data).get("weight_map")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(wm, dict):
+            parent = PurePosixPath(rel).parent
+            out |= {(parent / v).as_posix() for v in wm.values() if isinstance(v, str) and unsafe_relpath_reason(v) is None}
+    return out
+
+
+def _index_problems(root: Path, rel: str, data: bytes, expected: dict[str, Expected], on_disk: set[str],
+                    missing_claim: Callable[[str], str]) -> list[str]:
+    where = root / rel
+    try:
+        index = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return [f"{where}: weight index is not valid JSON ({e})"]
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict):
+        return [f"{where}: weight index has no weight_map object"]
+    if not weight_map:
+        return [f"{where}: empty weight_map: the index names no shards"]
+    suffix = index_shard_suffix(rel)
+    parent = PurePosixPath(rel).parent
+    problems = []
+    shards: list = []
+    for v in weight_map.values():  # many tensors share a shard; check each distinct value once
+        if v not in shards:
+            shards.append(v)
+    for shard in sorted(shards, key=repr):
+        if (why := unsafe_relpath_reason(shard)) is not None:
+            problems.append(f"{where}: unsafe shard path {shard!r}: {why}")
+            continue
+        if not shard.endswith(suffix):
+            problems.append(f"{where}: shard {shard!r} does not have the index's suffix {suffix}")
+            continue
+        shard_rel = (parent / shard).as_posix()
+        if shard_rel in expected:
+            continue
+        if shard_rel in on_disk:
+            problems.append(_unverified(root, shard_rel, missing_claim))
+        else:
+            problems.append(f"{root / shard_rel}: missing shard named by {where}")
+    return problems
+
+
+# ========================================================================================== verify
+
+def _identity_digest(identity: dict) -> str:
+    return sha256_json({k: v for k, v in identity.items() if k != "identity_digest"})
+
+
+def verify_reference(ref: dict, workers: int | None = None) -> dict:
+    """Check the snapshot described by params `ref`; return the identity record (raises RefIdentityError)."""
+    source, repo_id, revision, local_dir = ref["source"], ref["repo_id"], ref.get("revision"), ref["local_dir"]
+    root = Path(local_dir)
+    if source == "hf":
+        revision = check_hf_revision(revision)  # before touching the disk: a moving ref proves nothing
+    if not root.is_dir():
+        raise RefIdentityError(f"ref.local_dir {root}: not a directory")
+    on_disk = set(list_files(root))
+    lock_record = None
+    rejected: set[str] = set()
+    if source == "hf":
+        expected, problems, rejected = hf_expectations(root, revision, on_disk)
+        missing_claim = lambda rel: f"missing metadata {HF_DOWNLOAD_DIR}/{rel}.metadata"  # noqa: E731
+        effective_revision, pinned = revision, True
+    elif source == "local":
+        expected, lock_record, problems = local_expectations(root, revision, repo_id)
+        missing_claim = lambda rel: f"not in lock {root / LOCK_NAME}"  # noqa: E731
+        effective_revision, pinned = lock_record["sha256"], revision is not None
+        if not pinned:
+            log.warning("ref.revision is null: %s is checked for internal consistency only; set ref.revision: %s "
+                        "to pin it (a consistent re-pin is otherwise undetectable)", root / LOCK_NAME, lock_record["sha256"])
+    else:
+        raise RefIdentityError(f"ref.source {source!r}: expected hf or local")
+
+    # ---- cheap checks first (names, metadata, index content): fail before hashing gigabytes
+    index_bytes, index_problems = read_weight_indexes(root, expected)
+    problems += index_problems
+    problems += completeness_problems(root, expected, on_disk, index_bytes, missing_claim, frozenset(rejected))
+    _fail(f"reference {root} ({source} {repo_id}) failed verification:", problems)
+
+    # ---- content: every covered file re-hashed in parallel; metadata and mtimes are never trusted
+    t0 = time.perf_counter()
+    hashed = hash_files(root, {rel: e.algo for rel, e in expected.items() if rel not in index_bytes}, workers)
+    for rel in index_bytes:
+        hashed[rel] = (len(index_bytes[rel]), expected[rel].hash)  # verified from these bytes above
+    for rel, e in sorted(expected.items()):
+        got = hashed[rel]
+        if isinstance(got, str):
+            problems.append(f"{root / rel}: {got}")
+        elif got[1] != e.hash:
+            problems.append(f"{root / rel}: content hash mismatch: {e.algo} is {got[1]}, {e.claimed_by} says "
+                            f"{e.hash} (file replaced or corrupted; mtimes are not trusted)")
+        elif e.size is not None and got[0] != e.size:
+            problems.append(f"{root / rel}: size {got[0]} differs from {e.size} in {e.claimed_by}")
+    _fail(f"reference {root} ({source} {repo_id}) failed verification:", problems)
+    seconds = time.perf_counter() - t0
+    total = sum(v[0] for v in hashed.values())
+    log.info("hashed %d files, %.1f MB in %.2fs (%.0f MB/s)", len(hashed), total / 1e6, seconds,
+             total / 1e6 / max(seconds, 1e-9))
+
+    # ---- extras: reported, never loaded (loadable ones were refused above)
+    extras = [{"path": r, "size": (root / r).stat().st_size} for r in sorted(on_disk)
+              if r not in expected and not is_hf_bookkeeping(r) and not (source == "local" and r == LOCK_NAME)]
+    for x in extras:
+        log.warning("unverified extra file (not covered by %s, not loaded): %s",
+                    "metadata" if source == "hf" else "the lock", root / x["path"])
+
+    identity = {
+        "format": IDENTITY_FORMAT,
+        "source": source,
+        "repo_id": repo_id,
+        "revision": effective_revision,
+        "revision_pinned": pinned,
+        "local_dir": local_dir,
+        "lock": lock_record,
+        "files": [{"path": rel, "size": hashed[rel][0], "algo": expected[rel].algo, "hash": expected[rel].hash}
+                  for rel in sorted(expected)],
+        "extras": extras,
+    }
+    identity["identity_digest"] = _identity_digest(identity)
+    return identity
+
+
+# ============================================================================= load_verified_dir
+
+IDENTITY_KEYS = {"format", "source", "repo_id", "revision", "revision_pinned", "local_dir", "lock", "files",
+                 "extras", "identity_digest"}
+
+
+def read_identity(identity_path: str | os.PathLike) -> dict:
+    """Read ref_identity.json and check its own digest (an edited identity file fails here)."""
+    identity_path = Path(identity_path)
+    try:
+        identity = read_json(identity_path)
+    except FileNotFoundError:
+        raise RefIdentityError(f"{identity_path}: no reference identity; run the verify_ref stage") from None
+    except (ValueError, OSError) as e:
+        raise RefIdentityError(f"{identity_path}: unreadable reference identity ({e})") from None
+    if not isinstance(identity, dict) or set(identity) != IDENTITY_KEYS or identity.get("format") != IDENTITY_FORMAT:
+        raise RefIdentityError(f"{identity_path}: not a {IDENTITY_FORMAT} reference identity")
+    if _identity_digest(identity) != identity["identity_digest"]:
+        raise RefIdentityError(f"{identity_path}: identity_digest does not match the file's content: the "
+                               "identity was edited or swapped; re-run verify_ref")
+    return identity
+
+
+def load_verified_dir(identity_path: str | os.PathLike, expect_digest: str | None = None, deep: bool = False,
+                      workers: int | None = None) -> Path:
+    """Cheap re-check between stages; returns the directory to load the reference from.
+
+    Checks the identity's own digest, every file present with its recorded size, the lock's SHA-256
+    (local) or each file's metadata commit and ETag (hf), and that no file transformers would load has
+    appeared since verification. `expect_digest`: the identity_digest an upstream artifact recorded
+    (e.g. the tokenizer identity in the token manifest), so a valid identity of *another* snapshot
+    swapped in is refused too. `deep=True` also re-hashes every file (full verify cost).
+    """
+    identity_path = Path(identity_path)
+    identity = read_identity(identity_path)
+    if expect_digest is not None and identity["identity_digest"] != expect_digest:
+        raise RefIdentityError(f"{identity_path}: identity_digest {identity['identity_digest']} is not the "
+                               f"{expect_digest} recorded upstream: a different reference was verified since")
+    root = Path(identity["local_dir"])
+    if not root.is_dir():
+        raise RefIdentityError(f"{root}: reference directory named by {identity_path} is missing")
+    problems: list[str] = []
+    listed = {f["path"]: f for f in identity["files"]}
+    for rel, f in listed.items():
+        p = root / rel
+        try:
+            size = p.stat().st_size
+        except OSError:
+            problems.append(f"{p}: missing since verification ({identity_path})")
+            continue
+        if size != f["size"]:
+            problems.append(f"{p}: size {size} differs from {f['size']} recorded in {identity_path}: swapped since "
+                            "verification")
+    if identity["source"] == "local":
+        lock_path = root / LOCK_NAME
+        try:
+            lock_sha = sha256_bytes(lock_path.read_bytes())
+        except OSError:
+            lock_sha = None
+        if lock_sha != identity["lock"]["sha256"]:
+            problems.append(f"{lock_path}: lock changed since verification ({identity_path})")
+    else:
+        for rel, f in listed.items():
+            meta = root / HF_DOWNLOAD_DIR / f"{rel}.metadata"
+            try:
+                commit, etag, _ = parse_hf_metadata(meta.read_text(encoding="utf-8"), str(meta))
+            except (RefIdentityError, OSError, UnicodeDecodeError):
+                commit = etag = None
+            if commit != identity["revision"] or etag != f["hash"]:
+                problems.append(f"{root / rel}: metadata {meta} changed since verification ({identity_path})")
+    known = set(listed) | {x["path"] for x in identity["extras"]}
+    for rel in list_files(root):
+        if rel not in known and is_loaded_by_transformers(rel) and not (
+                identity["source"] == "local" and rel == LOCK_NAME):
+            problems.append(f"{root / rel}: appeared since verification ({identity_path}) and would be loaded")
+    if deep and not problems:
+        hashed = hash_files(root, {rel: f["algo"] for rel, f in listed.items()}, workers)
+        for rel, f in listed.items():
+            got = hashed[rel]
+            if isinstance(got, str) or got[1] != f["hash"]:
+                problems.append(f"{root / rel}: content differs from {identity_path}")
+    _fail(f"reference {root} no longer matches {identity_path}:", problems)
+    return root.resolve()
+
+
+# ============================================================================================= CLI
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.verify_ref", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    v = sub.add_parser("verify", help="verify ref.local_dir against its pin; write ref_identity.json")
+    v.add_argument("--params", default="params.yaml")
+    v.add_argument("--identity", default="results/ref/ref_identity.json")
+    v.add_argument("--log", default=None)
+    v.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(16, cpus))")
+    p = sub.add_parser("pin", help=f"write DIR/{LOCK_NAME} (per-file SHA-256) for a local reference")
+    p.add_argument("dir")
+    p.add_argument("--repo-id", default=None, help="name recorded in the lock (must equal ref.repo_id)")
+    p.add_argument("--workers", type=int, default=None)
+    args = ap.parse_args(argv)
+
+    if args.cmd == "pin":
+        setup_logging(None, "verify_ref")
+        try:
+            digest = pin(args.dir, args.repo_id, args.workers)
+        except RefIdentityError as e:
+            log.error("%s", e)
+            return 1
+        print(digest)
+        log.info("pinned %s; to pin the lock itself set ref.revision: %s", Path(args.dir) / LOCK_NAME, digest)
+        return 0
+
+    from stages.lib.params import load_params
+
+    setup_logging(args.log, "verify_ref")
+    # A failed verification must not leave a previous run's identity looking current.
+    Path(args.identity).unlink(missing_ok=True)
+    params = load_params(args.params)
+    try:
+        identity = verify_reference(params["ref"], args.workers)
+    except RefIdentityError as e:
+        log.error("%s", e)
+        return 1
+    write_json(args.identity, identity)
+    log.info("verified %s %s @ %s: %d files, %d extras; identity_digest %s -> %s", identity["source"],
+             identity["repo_id"], identity["revision"], len(identity["files"]), len(identity["extras"]),
+             identity["identity_digest"], args.identity)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
