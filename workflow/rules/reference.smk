@@ -4,6 +4,8 @@
 rule verify_ref:
     input:
         ref_dir=config["ref"]["local_dir"],
+        # A directory input only changes mtime when entries come or go; the lock changes with any file.
+        lock=[f"{config['ref']['local_dir']}/prefpipe.lock.json"] if config["ref"]["source"] == "local" else [],
         code=[py("verify_ref"), *LIB],
     output:
         identity=f"{RESULTS}/ref/ref_identity.json",
