@@ -1,0 +1,226 @@
+"""Models over packed micro-batches: varlen attention, chunked completion log-probs, a scalar reward head.
+
+Attention: transformers' AttentionInterface lets a model call our function for every attention
+layer. transformers (5.x) forwards extra model kwargs untouched down to it, so we pass
+`cu_seq_lens_q/k` and `max_length_q/k` (the same names its flash-attention path uses) to the
+model forward. Because our implementation name has no entry in the mask interface, transformers
+builds no mask at all (attention_mask=None): the sequence boundaries come only from cu_seqlens.
+Backends, fastest available first:
+  - CUDA + flash_attn installed: flash_attn_varlen_func(causal=True), GQA native;
+  - CUDA: torch.nn.attention.varlen.varlen_attn with window_size=(-1, 0) (= causal), k/v expanded
+    to all query heads (torch 2.11 has no GQA flag there);
+  - otherwise (CPU, fp32): per-sequence SDPA with is_causal. Exact, not fast.
+
+Log-probs: the decoder body runs once; the LM head is applied only at positions that predict a
+completion token, chunk by chunk under activation checkpointing, so [tokens, vocab] fp32 logits
+never exist (see DESIGN.md "Kernel facts"). Per-sequence sums are float64.
+
+Reward model: AutoModelForSequenceClassification (num_labels=1) = the causal-LM body + `score`
+(a linear hidden -> 1, no LM head); the score is read at the last completion token of each
+sequence, which is the position HF's own forward pools for an unpadded sequence, so the exported
+directory scores exactly as trained.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+PACKED_ATTENTION = "prefpipe_packed_varlen"
+
+try:  # optional: classic flash-attn 2 (source build only); torch's varlen is the default fast path
+    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
+except Exception:  # noqa: BLE001 - any import failure means "not available"
+    _flash_attn_varlen_func = None
+
+try:
+    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
+except Exception:  # noqa: BLE001
+    _torch_varlen_attn = None
+
+
+class ModelLoadError(ValueError):
+    """The model directory is not what the stage needs (wrong head, missing weights)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Packed variable-length attention
+# ----------------------------------------------------------------------------------------------
+
+def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        if _flash_attn_varlen_func is not None:
+            return "flash_attn"
+        if _torch_varlen_attn is not None:
+            return "torch_varlen"
+    return "sdpa_per_sequence"
+
+
+def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, scaling: float | None = None,
+                             dropout: float = 0.0, sliding_window: int | None = None,
+                             cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
+                             max_length_q: int | None = None, max_length_k: int | None = None, **_ignored):
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Causal within each sequence."""
+    if cu_seq_lens_q is None or max_length_q is None:
+        raise RuntimeError(f"{PACKED_ATTENTION} needs cu_seq_lens_q/max_length_q: call the model through "
+                           "stages.lib.modeling (packed batches), not a plain forward")
+    if attention_mask is not None:
+        raise RuntimeError(f"{PACKED_ATTENTION} got an attention mask; packed batches are delimited by cu_seqlens only")
+    if sliding_window is not None:
+        raise NotImplementedError("sliding-window attention layers are not supported by the packed attention")
+    if dropout:
+        raise NotImplementedError("attention dropout > 0 is not supported by the packed attention")
+    if query.shape[0] != 1:
+        raise RuntimeError(f"packed attention expects batch size 1 (one packed row), got {query.shape[0]}")
+    q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))   # [T, H, D]
+    n_rep = q.shape[1] // k.shape[1]
+    backend = attention_backend(q.device, q.dtype)
+
+    if backend == "flash_attn":
+        out = _flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
+                                      softmax_scale=scaling, causal=True)
+    elif backend == "torch_varlen":
+        if n_rep > 1:
+            k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
+        out = _torch_varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
+                                 scale=scaling, window_size=(-1, 0))
+    else:
+        bounds = cu_seq_lens_q.tolist()   # host tensor on CPU: no device sync
+        outs = []
+        for start, end in zip(bounds[:-1], bounds[1:]):
+            qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))   # [H, L, D]
+            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
+                                                       enable_gqa=n_rep > 1).transpose(0, 1))
+        out = torch.cat(outs, dim=0)
+    return out.unsqueeze(0), None
+
+
+def register_packed_attention() -> str:
+    from transformers import AttentionInterface
+    AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
+    return PACKED_ATTENTION
+
+
+register_packed_attention()
+
+
+def decoder_hidden_states(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
+                          cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+    """Run the transformer body on one packed row -> final (normed) hidden states [T, H]."""
+    out = body(input_ids=input_ids, position_ids=position_ids, use_cache=False,
+               cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
+    return out.last_hidden_state[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Chunked completion log-probs
+# ----------------------------------------------------------------------------------------------
+
+def token_logps_chunk(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                      targets: torch.Tensor) -> torch.Tensor:
+    """log softmax(h W^T + b)[target] in fp32, for one chunk of positions (temperature 1 by definition)."""
+    logits = F.linear(hidden, weight, bias).float()
+    return logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+
+def completion_token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           targets: torch.Tensor, chunk_tokens: int, chunk_fn=token_logps_chunk) -> torch.Tensor:
+    """Per-token log-probs [C] without materializing [C, vocab] logits: under grad each chunk is
+    checkpointed (its logits are recomputed in backward instead of stored)."""
+    outs = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        args = (hidden[start:start + chunk_tokens], weight, bias, targets[start:start + chunk_tokens])
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(chunk_fn, *args, use_reentrant=False))
+        else:
+            outs.append(chunk_fn(*args))
+    return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)
+
+
+def base_model(model: nn.Module) -> nn.Module:
+    return getattr(model, model.base_model_prefix)
+
+
+class SequenceLogProbs(nn.Module):
+    """Causal LM -> summed completion log-probs per packed sequence, float64 [S].
+
+    The module DDP/FSDP wrap: its forward is the whole computation, so gradient hooks see one call.
+    """
+
+    def __init__(self, lm: nn.Module, chunk_tokens: int, compile_chunks: bool = False):
+        super().__init__()
+        self.lm = lm
+        self.chunk_tokens = chunk_tokens
+        self.chunk_fn = torch.compile(token_logps_chunk, dynamic=True) if compile_chunks else token_logps_chunk
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, logp_positions, logp_targets, logp_seq,
+                n_seqs: int, **_unused) -> torch.Tensor:
+        hidden = decoder_hidden_states(base_model(self.lm), input_ids, position_ids, cu_seqlens, max_seqlen)
+        head = self.lm.get_output_embeddings()
+        token_logps = completion_token_logps(hidden.index_select(0, logp_positions), head.weight, head.bias,
+                                             logp_targets, self.chunk_tokens, self.chunk_fn)
+        # Device-side check (no host sync): a non-finite logit makes its row's logsumexp, hence this, non-finite.
+        torch._assert_async(torch.isfinite(token_logps).all(), "non-finite log-probs (inf/NaN logits)")
+        return token_logps.new_zeros(n_seqs, dtype=torch.float64).index_add_(0, logp_seq, token_logps.double())
+
+
+class SequenceRewards(nn.Module):
+    """Sequence-classification model (body + scalar `score`) -> one fp32 reward per packed sequence [S]."""
+
+    def __init__(self, seq_cls: nn.Module):
+        super().__init__()
+        self.seq_cls = seq_cls
+
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, last_positions, **_unused) -> torch.Tensor:
+        hidden = decoder_hidden_states(base_model(self.seq_cls), input_ids, position_ids, cu_seqlens, max_seqlen)
+        scores = self.seq_cls.score(hidden.index_select(0, last_positions)).float().squeeze(-1)
+        torch._assert_async(torch.isfinite(scores).all(), "non-finite reward scores")
+        return scores
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+# ----------------------------------------------------------------------------------------------
+
+def _refuse_head(model_dir, config, want: str) -> None:
+    archs = list(getattr(config, "architectures", None) or [])
+    if want == "causal_lm" and any(a.endswith(("ForSequenceClassification", "ForTokenClassification")) for a in archs):
+        raise ModelLoadError(f"{model_dir}: architectures {archs} carry a classification head, not an LM head; "
+                             "a DPO policy/reference must be a causal LM")
+
+
+def load_causal_lm(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The policy / reference: a causal LM with the packed attention. Refuses a checkpoint whose
+    weights do not cover the model (e.g. a reward model's directory loaded as a causal LM)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    config = AutoConfig.from_pretrained(model_dir)
+    _refuse_head(model_dir, config, "causal_lm")
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=PACKED_ATTENTION,
+                                                       output_loading_info=True)
+    if info.get("missing_keys"):
+        raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
+    return model
+
+
+def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Body from `model_dir` + scalar head `score` (num_labels=1). A new head is initialised from the
+    torch RNG (seed first); pad_token_id is set so HF's own forward pools the last real token."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+    config = AutoConfig.from_pretrained(model_dir)
+    is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
+    if is_classifier and config.num_labels != 1:
+        raise ModelLoadError(f"{model_dir}: a classification head with num_labels={config.num_labels} "
+                             "is not a scalar reward head")
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, num_labels=1, dtype=dtype, attn_implementation=PACKED_ATTENTION, output_loading_info=True)
+    missing = [k for k in info.get("missing_keys", []) if not k.startswith("score.")]
+    if missing:
+        raise ModelLoadError(f"{model_dir}: body weights missing from the checkpoint: {sorted(missing)[:8]}")
+    if not isinstance(getattr(model, "score", None), nn.Linear) or model.score.out_features != 1:
+        raise ModelLoadError(f"{model_dir}: {type(model).__name__} has no scalar `score` head")
+    if model.config.pad_token_id is None:
+        eos = model.config.eos_token_id
+        model.config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    return model

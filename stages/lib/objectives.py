@@ -1,0 +1,220 @@
+"""The two preference objectives: DPO (with a frozen reference, or reference-free) and a pairwise reward model.
+
+Each objective tells the shared trainer (trainer.py) four things: which model to build from the
+reference directory, the per-pair loss and metrics from the model's per-sequence outputs, the
+probe JSONL rows, and what to export. The formulas follow the papers / TRL line by line:
+
+  DPO (Rafailov et al. 2023), logits = (pc - rc) - (pr - rr), p = policy, r = reference log-probs:
+    sigmoid: -logsigmoid(beta * logits) * (1 - eps) - logsigmoid(-beta * logits) * eps   (cDPO label smoothing)
+    ipo:     (logits - 1 / (2 * beta)) ** 2                                             (Azar et al. 2023)
+    reference-free: rc = rr = 0.
+    implicit rewards: chosen = beta * (pc - rc), rejected = beta * (pr - rr).
+  Reward model (Bradley-Terry, as TRL's RewardTrainer):
+    -logsigmoid(sc - sr [- margin]) + center_rewards_coefficient * (sc + sr) ** 2
+
+Per-pair losses are summed and divided by the GLOBAL pair count of the optimizer step in the
+trainer; accuracy counts a tie (margin exactly 0) as 0.5 and ties are reported separately.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pac
+import torch
+import torch.nn.functional as F
+
+from stages.lib.modeling import SequenceLogProbs, SequenceRewards, load_causal_lm, load_reward_model
+from stages.lib.packing import PackedBatch, TokenPairs
+
+
+class RefLogpsError(ValueError):
+    """ref_logps.parquet does not match the token data it is used with."""
+
+
+def tie_aware_accuracy(margin: torch.Tensor) -> torch.Tensor:
+    return (margin > 0).to(torch.float64) + 0.5 * (margin == 0).to(torch.float64)
+
+
+def dpo_pair_losses(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, *, beta: float,
+                    loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> torch.Tensor:
+    logits = (pc - rc) - (pr - rr)
+    if loss_type == "sigmoid":
+        return (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+                - F.logsigmoid(-beta * logits) * label_smoothing)
+    if loss_type == "ipo":
+        return (logits - 1 / (2 * beta)) ** 2
+    raise ValueError(f"unknown DPO loss {loss_type!r} (sigmoid | ipo)")
+
+
+def reward_pair_losses(sc: torch.Tensor, sr: torch.Tensor, margin: torch.Tensor | None = None, *,
+                       center_rewards_coefficient: float = 0.0) -> torch.Tensor:
+    diff = sc - sr if margin is None else sc - sr - margin
+    loss = -F.logsigmoid(diff)
+    if center_rewards_coefficient:
+        loss = loss + center_rewards_coefficient * (sc + sr) ** 2
+    return loss
+
+
+def correct_label(margin: float) -> float:
+    return 1.0 if margin > 0 else 0.0 if margin < 0 else 0.5
+
+
+# ----------------------------------------------------------------------------------------------
+# Reference log-probs (the ref_logps stage's parquet)
+# ----------------------------------------------------------------------------------------------
+
+REF_LOGPS_SCHEMA = pa.schema([("pair_id", pa.string()), ("split", pa.string()), ("ref_chosen_logp", pa.float64()),
+                              ("ref_rejected_logp", pa.float64()), ("token_hash", pa.string())])
+
+
+def ref_logps_table(splits: list[tuple[str, TokenPairs, np.ndarray]]) -> pa.Table:
+    """(split, pairs, logps [n, 2]) -> the ref_logps parquet table, rows in split then file order."""
+    cols = {name: [] for name in REF_LOGPS_SCHEMA.names}
+    for split, pairs, logps in splits:
+        cols["pair_id"] += pairs.pair_ids
+        cols["split"] += [split] * len(pairs)
+        cols["ref_chosen_logp"] += logps[:, 0].astype(np.float64).tolist()
+        cols["ref_rejected_logp"] += logps[:, 1].astype(np.float64).tolist()
+        cols["token_hash"] += pairs.token_hashes
+    return pa.Table.from_pydict(cols, schema=REF_LOGPS_SCHEMA)
+
+
+def ref_logps_for(table: pa.Table, split: str, pairs: TokenPairs, source: str) -> np.ndarray:
+    """[n, 2] reference log-probs aligned to `pairs`; refuses missing, duplicated, stale or non-finite rows."""
+    rows = table.filter(pac.equal(table.column("split"), split)).to_pydict()
+    index: dict[str, int] = {}
+    for i, pid in enumerate(rows["pair_id"]):
+        if pid in index:
+            raise RefLogpsError(f"{source}: pair {pid} appears twice in split {split}")
+        index[pid] = i
+    out = np.empty((len(pairs), 2), dtype=np.float64)
+    for k, (pid, token_hash) in enumerate(zip(pairs.pair_ids, pairs.token_hashes)):
+        i = index.get(pid)
+        if i is None:
+            raise RefLogpsError(f"{source}: no {split} row for pair {pid} (from {pairs.source}); rerun ref_logps")
+        if "token_hash" in rows and rows["token_hash"][i] != token_hash:
+            raise RefLogpsError(f"{source}: pair {pid} was computed from other tokens (token_hash "
+                                f"{rows['token_hash'][i][:12]} != {token_hash[:12]} in {pairs.source}); rerun ref_logps")
+        out[k] = (rows["ref_chosen_logp"][i], rows["ref_rejected_logp"][i])
+    if not np.isfinite(out).all():
+        bad = pairs.pair_ids[int(np.flatnonzero(~np.isfinite(out).all(axis=1))[0])]
+        raise RefLogpsError(f"{source}: non-finite reference log-prob for pair {bad}")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Objectives
+# ----------------------------------------------------------------------------------------------
+
+class DPOObjective:
+    """Policy = causal LM initialised from the reference directory; outputs = summed completion log-probs."""
+
+    metric_names = ("loss", "accuracy", "ties", "margin", "chosen_reward", "rejected_reward")
+    head = "lm_head"
+
+    def __init__(self, dpo_params: dict, ref_logps: dict[str, np.ndarray] | None = None):
+        self.name = dpo_params["objective"]
+        self.beta = float(dpo_params["beta"])
+        self.loss_type = dpo_params["loss"]
+        self.label_smoothing = float(dpo_params["label_smoothing"])
+        if self.name == "dpo" and ref_logps is None:
+            raise RefLogpsError("objective dpo needs reference log-probs (--ref-logps from the ref_logps stage)")
+        if self.name == "dpo_ref_free":
+            ref_logps = None      # reference-free never reads them
+        self.ref_cpu = ref_logps
+        self.ref_device: dict[str, torch.Tensor] = {}
+
+    def build_module(self, model_dir, train_settings) -> SequenceLogProbs:
+        return SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=train_settings.logp_chunk_tokens,
+                                compile_chunks=train_settings.compile)
+
+    @staticmethod
+    def hf_model(module: SequenceLogProbs):
+        return module.lm
+
+    def to(self, device: torch.device) -> "DPOObjective":
+        if self.ref_cpu is not None:
+            self.ref_device = {k: torch.from_numpy(v).to(device) for k, v in self.ref_cpu.items()}
+        return self
+
+    def _ref(self, split: str, pair_index: torch.Tensor, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.name == "dpo_ref_free":
+            return torch.zeros_like(like), torch.zeros_like(like)
+        ref = self.ref_device[split].index_select(0, pair_index)
+        return ref[:, 0], ref[:, 1]
+
+    def pair_terms(self, seq_out: torch.Tensor, batch: PackedBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        pc, pr = seq_out.view(-1, 2).unbind(-1)
+        rc, rr = self._ref(split, batch.pair_index, pc)
+        losses = dpo_pair_losses(pc, pr, rc, rr, beta=self.beta, loss_type=self.loss_type,
+                                 label_smoothing=self.label_smoothing)
+        chosen_reward, rejected_reward = self.beta * (pc - rc).detach(), self.beta * (pr - rr).detach()
+        margin = chosen_reward - rejected_reward
+        metrics = torch.stack([losses.detach(), tie_aware_accuracy(margin), (margin == 0).double(), margin,
+                               chosen_reward, rejected_reward], dim=-1)
+        return losses, metrics
+
+    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray) -> list[dict]:
+        ref = self.ref_cpu["probe"] if self.ref_cpu is not None else np.zeros_like(outputs)
+        rows = []
+        for i, pid in enumerate(probe.pair_ids):
+            pc, pr = float(outputs[i, 0]), float(outputs[i, 1])
+            rc, rr = float(ref[i, 0]), float(ref[i, 1])
+            chosen_reward, rejected_reward = self.beta * (pc - rc), self.beta * (pr - rr)
+            margin = chosen_reward - rejected_reward
+            rows.append({"pair_id": pid, "index": i, "token_hash": probe.token_hashes[i],
+                         "policy_chosen_logp": pc, "policy_rejected_logp": pr,
+                         "ref_chosen_logp": rc, "ref_rejected_logp": rr,
+                         "chosen_reward": chosen_reward, "rejected_reward": rejected_reward,
+                         "margin": margin, "correct": correct_label(margin)})
+        return rows
+
+
+class RewardObjective:
+    """Reward model = causal-LM body + scalar `score` head; outputs = one score per sequence."""
+
+    metric_names = ("loss", "accuracy", "ties", "margin", "chosen_score", "rejected_score")
+    head = "score"
+    name = "reward_model"
+
+    def __init__(self, rm_params: dict, train_margins: np.ndarray | None = None, source: str = "train tokens"):
+        self.center = float(rm_params["center_rewards_coefficient"])
+        self.use_margin = bool(rm_params["use_margin"])
+        self.margins_cpu = None
+        if self.use_margin:
+            if train_margins is None or not np.isfinite(train_margins).all():
+                raise ValueError(f"{source}: rm.use_margin is set but the margin column is null or non-finite "
+                                 "for some pairs")
+            self.margins_cpu = train_margins
+        self.margins_device: torch.Tensor | None = None
+
+    def build_module(self, model_dir, train_settings) -> SequenceRewards:
+        return SequenceRewards(load_reward_model(model_dir))
+
+    @staticmethod
+    def hf_model(module: SequenceRewards):
+        return module.seq_cls
+
+    def to(self, device: torch.device) -> "RewardObjective":
+        if self.margins_cpu is not None:
+            self.margins_device = torch.from_numpy(self.margins_cpu).float().to(device)
+        return self
+
+    def pair_terms(self, seq_out: torch.Tensor, batch: PackedBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        sc, sr = seq_out.view(-1, 2).unbind(-1)
+        margin_in = self.margins_device.index_select(0, batch.pair_index) if (
+            self.use_margin and split == "train") else None
+        losses = reward_pair_losses(sc, sr, margin_in, center_rewards_coefficient=self.center)
+        margin = (sc - sr).detach().double()
+        metrics = torch.stack([losses.detach().double(), tie_aware_accuracy(margin), (margin == 0).double(), margin,
+                               sc.detach().double(), sr.detach().double()], dim=-1)
+        return losses, metrics
+
+    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray) -> list[dict]:
+        rows = []
+        for i, pid in enumerate(probe.pair_ids):
+            sc, sr = float(outputs[i, 0]), float(outputs[i, 1])
+            rows.append({"pair_id": pid, "index": i, "token_hash": probe.token_hashes[i],
+                         "chosen_score": sc, "rejected_score": sr, "margin": sc - sr,
+                         "correct": correct_label(sc - sr)})
+        return rows

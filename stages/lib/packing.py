@@ -1,0 +1,312 @@
+"""Padding-free packing of preference pairs: token parquet -> per-rank, per-step micro-batch plans.
+
+A micro-batch is ONE flat row of tokens holding whole pairs: chosen and rejected of a pair always
+sit in the same micro-batch (sequence 2k is pair k's chosen, 2k+1 its rejected), position ids
+restart at 0 for every sequence and `cu_seqlens` tells the attention kernel where sequences end,
+so no token ever attends across a boundary and no padding is computed.
+
+Planning is pure and deterministic (a function of lengths, seed and world size only), so every
+rank computes the same global plan and takes its own share; the trainer still confirms the
+per-step counts with a tiny CPU exchange (see trainer.py) before entering collectives.
+
+- Training plan: each epoch shuffles pair order with PCG64([seed, epoch]); consecutive groups of
+  `global_batch_pairs` form one optimizer step; a step's pairs go to ranks by
+  longest-processing-time-first on pair tokens (sequence-length balance), and each rank packs its
+  pairs into micro-batches of at most `micro_batch_tokens` (first-fit decreasing).
+- Inference plan (reference log-probs, probe evaluation): pairs packed sequentially in file order,
+  micro-batches dealt round-robin to ranks. A micro-batch's contents then do not depend on the
+  world size, so the step-0 probe pass of the policy reproduces the reference pass bit for bit
+  (every DPO pair ties at step 0, as it must).
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+TOKEN_COLUMNS = ("pair_id", "chosen_ids", "chosen_prompt_len", "rejected_ids", "rejected_prompt_len",
+                 "margin", "token_hash")
+
+
+class TokenDataError(ValueError):
+    """The token parquet violates the contract; the message names the file, row and reason."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Token pairs (the tokenize stage's parquet, held as flat numpy arrays)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TokenPairs:
+    """Rows of a token parquet. Sequence s = 2*i (chosen of pair i) or 2*i+1 (rejected of pair i)."""
+    source: str
+    pair_ids: list[str]
+    token_hashes: list[str]
+    margins: np.ndarray            # float64, NaN where the source had no margin
+    seq_ids: list[np.ndarray]      # 2*n int64 arrays, interleaved chosen/rejected
+    seq_prompt_lens: np.ndarray    # [2n] int64
+
+    def __len__(self) -> int:
+        return len(self.pair_ids)
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return np.fromiter((len(s) for s in self.seq_ids), dtype=np.int64, count=len(self.seq_ids))
+
+    @property
+    def pair_tokens(self) -> np.ndarray:
+        """Tokens of chosen + rejected per pair (the packing cost and the throughput unit)."""
+        return self.seq_lens.reshape(-1, 2).sum(axis=1)
+
+    @property
+    def completion_tokens(self) -> int:
+        return int((self.seq_lens - self.seq_prompt_lens).sum())
+
+
+def _list_column(table: pa.Table, name: str, path: str) -> list[np.ndarray]:
+    col = table.column(name).combine_chunks()
+    if not pa.types.is_list(col.type) and not pa.types.is_large_list(col.type):
+        raise TokenDataError(f"{path}: column {name} must be list<int>, got {col.type}")
+    if col.null_count:
+        row = int(np.flatnonzero(col.is_null().to_numpy(zero_copy_only=False))[0])
+        raise TokenDataError(f"{path}: row {row}: {name} is null")
+    values = col.flatten().to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    offsets = col.offsets.to_numpy()
+    return [values[offsets[i]:offsets[i + 1]] for i in range(len(col))]
+
+
+def load_token_pairs(path: str | Path, vocab_size: int | None = None) -> TokenPairs:
+    """Read and validate a token parquet (docs/ARTIFACTS.md, tokenize)."""
+    path = str(path)
+    table = pq.read_table(path)
+    missing = [c for c in TOKEN_COLUMNS if c not in table.column_names]
+    if missing:
+        raise TokenDataError(f"{path}: missing columns {missing} (have {table.column_names})")
+    pair_ids = table.column("pair_id").to_pylist()
+    token_hashes = table.column("token_hash").to_pylist()
+    margins = np.array([np.nan if m is None else float(m) for m in table.column("margin").to_pylist()],
+                       dtype=np.float64)
+    chosen = _list_column(table, "chosen_ids", path)
+    rejected = _list_column(table, "rejected_ids", path)
+    chosen_pl = table.column("chosen_prompt_len").to_numpy(zero_copy_only=False)
+    rejected_pl = table.column("rejected_prompt_len").to_numpy(zero_copy_only=False)
+
+    seen: dict[str, int] = {}
+    for row, pid in enumerate(pair_ids):
+        if not pid:
+            raise TokenDataError(f"{path}: row {row}: empty pair_id")
+        if pid in seen:
+            raise TokenDataError(f"{path}: row {row}: pair_id {pid} repeats row {seen[pid]}")
+        seen[pid] = row
+    seq_ids: list[np.ndarray] = []
+    seq_prompt_lens = np.empty(2 * len(pair_ids), dtype=np.int64)
+    for row in range(len(pair_ids)):
+        for branch, ids, prompt_len in (("chosen", chosen[row], chosen_pl[row]),
+                                        ("rejected", rejected[row], rejected_pl[row])):
+            where = f"{path}: row {row} (pair {pair_ids[row]}) {branch}"
+            if prompt_len is None or np.isnan(prompt_len):
+                raise TokenDataError(f"{where}: prompt_len is null")
+            prompt_len = int(prompt_len)
+            # Token 0 is never predicted, so a completion must start at position >= 1 and be non-empty.
+            if not 1 <= prompt_len < len(ids):
+                raise TokenDataError(f"{where}: prompt_len {prompt_len} leaves no scoreable completion "
+                                     f"in {len(ids)} tokens (need 1 <= prompt_len < length)")
+            if len(ids) and (ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size)):
+                raise TokenDataError(f"{where}: token id out of range [0, {vocab_size}) "
+                                     f"(min {ids.min()}, max {ids.max()}): tokenizer/model mismatch?")
+            seq_ids.append(ids)
+            seq_prompt_lens[len(seq_ids) - 1] = prompt_len
+    return TokenPairs(source=path, pair_ids=pair_ids, token_hashes=token_hashes, margins=margins,
+                      seq_ids=seq_ids, seq_prompt_lens=seq_prompt_lens)
+
+
+# ----------------------------------------------------------------------------------------------
+# Planning (pure: integers in, lists of pair indices out)
+# ----------------------------------------------------------------------------------------------
+
+MicroBatch = list[int]             # pair indices (rows of TokenPairs), in packing order
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    step: int                      # 0-based optimizer step
+    epoch: int
+    epoch_progress: float          # epochs completed after this step (fractional)
+    rank_micro_batches: list[list[MicroBatch]]   # [rank][micro-batch] -> pair indices
+
+    def pairs(self, rank: int | None = None) -> int:
+        ranks = range(len(self.rank_micro_batches)) if rank is None else [rank]
+        return sum(len(mb) for r in ranks for mb in self.rank_micro_batches[r])
+
+
+def pack_micro_batches(pair_indices: list[int], pair_tokens: np.ndarray, budget: int,
+                       sort: bool = True) -> list[MicroBatch]:
+    """Group pairs into micro-batches of at most `budget` tokens.
+
+    sort=True: first-fit decreasing (dense packing for training); sort=False: sequential greedy
+    in the given order (order-preserving, for inference). A pair longer than the budget on its
+    own gets a micro-batch of its own rather than being dropped.
+    """
+    if not sort:
+        out: list[MicroBatch] = []
+        used = 0
+        for i in pair_indices:
+            t = int(pair_tokens[i])
+            if out and used + t <= budget:
+                out[-1].append(i)
+                used += t
+            else:
+                out.append([i])
+                used = t
+        return out
+    order = sorted(pair_indices, key=lambda i: (-int(pair_tokens[i]), i))
+    bins: list[MicroBatch] = []
+    free: list[int] = []
+    for i in order:
+        t = int(pair_tokens[i])
+        for b, room in enumerate(free):
+            if t <= room:
+                bins[b].append(i)
+                free[b] -= t
+                break
+        else:
+            bins.append([i])
+            free.append(budget - t)
+    return bins
+
+
+def assign_pairs_to_ranks(pair_indices: list[int], pair_tokens: np.ndarray, world_size: int) -> list[list[int]]:
+    """Longest-processing-time-first: each pair (longest first) goes to the least-loaded rank."""
+    heap = [(0, r) for r in range(world_size)]
+    out: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(pair_indices, key=lambda i: (-int(pair_tokens[i]), i)):
+        load, r = heapq.heappop(heap)
+        out[r].append(i)
+        heapq.heappush(heap, (load + int(pair_tokens[i]), r))
+    return out
+
+
+def epoch_order(n_pairs: int, seed: int, epoch: int) -> np.ndarray:
+    return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n_pairs)
+
+
+def plan_training(pair_tokens: np.ndarray, *, epochs: float, global_batch_pairs: int, world_size: int,
+                  micro_batch_tokens: int, seed: int) -> list[StepPlan]:
+    """Every optimizer step of the run. A fractional last epoch takes the first part of its shuffle;
+    the last step of an epoch may hold fewer pairs (its loss is normalized by its own pair count)."""
+    n = len(pair_tokens)
+    if n == 0:
+        raise ValueError("no training pairs")
+    epoch_sizes = [n] * int(math.floor(epochs))
+    if epochs > math.floor(epochs):
+        epoch_sizes.append(max(1, math.ceil((epochs - math.floor(epochs)) * n)))
+    steps: list[StepPlan] = []
+    for epoch, size in enumerate(epoch_sizes):
+        order = epoch_order(n, seed, epoch)[:size].tolist()
+        for start in range(0, size, global_batch_pairs):
+            chunk = order[start:start + global_batch_pairs]
+            per_rank = assign_pairs_to_ranks(chunk, pair_tokens, world_size)
+            steps.append(StepPlan(
+                step=len(steps), epoch=epoch, epoch_progress=epoch + (start + len(chunk)) / n,
+                rank_micro_batches=[pack_micro_batches(p, pair_tokens, micro_batch_tokens) for p in per_rank]))
+    return steps
+
+
+def plan_inference(pair_tokens: np.ndarray, *, micro_batch_tokens: int, world_size: int) -> list[list[MicroBatch]]:
+    """[rank][micro-batch] for one pass over all pairs (every pair exactly once)."""
+    mbs = pack_micro_batches(list(range(len(pair_tokens))), pair_tokens, micro_batch_tokens, sort=False)
+    return [mbs[r::world_size] for r in range(world_size)]
+
+
+# ----------------------------------------------------------------------------------------------
+# PackedBatch: one micro-batch as tensors
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class PackedBatch:
+    """One packed micro-batch. Shapes: T tokens, S = 2P sequences, C completion tokens.
+
+    input_ids / position_ids [1, T]; cu_seqlens [S+1] int32; max_seqlen (host int);
+    logp_positions [C]: hidden-state positions whose next token is a completion token,
+    logp_targets [C]: that next token, logp_seq [C]: its sequence; last_positions [S]: the last
+    completion token of each sequence (the reward model's score position); seq_pair [S] / seq_is_chosen [S];
+    pair_index [P]: row in TokenPairs (binds every output to its pair_id); pair_weight [P]: 1, or 0
+    for the filler micro-batches that keep collectives aligned across ranks.
+    """
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    logp_positions: torch.Tensor
+    logp_targets: torch.Tensor
+    logp_seq: torch.Tensor
+    last_positions: torch.Tensor
+    seq_pair: torch.Tensor
+    seq_is_chosen: torch.Tensor
+    pair_index: torch.Tensor
+    pair_weight: torch.Tensor
+    n_tokens: int = 0              # real tokens (0 for filler)
+    n_pairs: int = 0               # real pairs (0 for filler)
+    seq_lens: list[int] = field(default_factory=list)
+
+    _TENSORS = ("input_ids", "position_ids", "cu_seqlens", "logp_positions", "logp_targets", "logp_seq",
+                "last_positions", "seq_pair", "seq_is_chosen", "pair_index", "pair_weight")
+
+    def map_tensors(self, fn) -> "PackedBatch":
+        kw = {name: fn(getattr(self, name)) for name in self._TENSORS}
+        return PackedBatch(**kw, max_seqlen=self.max_seqlen, n_tokens=self.n_tokens, n_pairs=self.n_pairs,
+                           seq_lens=self.seq_lens)
+
+    def pin_memory(self) -> "PackedBatch":
+        return self.map_tensors(lambda t: t.pin_memory())
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "PackedBatch":
+        return self.map_tensors(lambda t: t.to(device, non_blocking=non_blocking))
+
+    @property
+    def n_seqs(self) -> int:
+        return len(self.seq_lens)
+
+
+def build_packed_batch(pairs: TokenPairs, micro_batch: MicroBatch, weight: float = 1.0) -> PackedBatch:
+    """Flatten whole pairs into one row (chosen then rejected of each pair, in micro_batch order)."""
+    if not micro_batch:
+        raise ValueError("empty micro-batch")
+    seqs = [pairs.seq_ids[2 * p + b] for p in micro_batch for b in (0, 1)]
+    prompt_lens = [int(pairs.seq_prompt_lens[2 * p + b]) for p in micro_batch for b in (0, 1)]
+    lens = np.array([len(s) for s in seqs], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    input_ids = np.concatenate(seqs)
+    position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+    logp_positions, logp_targets, logp_seq = [], [], []
+    for s, (start, n, pl) in enumerate(zip(starts, lens, prompt_lens)):
+        # Completion tokens [pl, n) of sequence s are predicted by hidden states at [pl-1, n-1).
+        pos = np.arange(start + pl - 1, start + n - 1, dtype=np.int64)
+        logp_positions.append(pos)
+        logp_targets.append(input_ids[pos + 1])
+        logp_seq.append(np.full(len(pos), s, dtype=np.int64))
+    n_pairs = len(micro_batch)
+    t = torch.from_numpy
+    return PackedBatch(
+        input_ids=t(input_ids.astype(np.int64))[None],
+        position_ids=t(position_ids)[None],
+        cu_seqlens=t(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)),
+        max_seqlen=int(lens.max()),
+        logp_positions=t(np.concatenate(logp_positions)),
+        logp_targets=t(np.concatenate(logp_targets).astype(np.int64)),
+        logp_seq=t(np.concatenate(logp_seq)),
+        last_positions=t(starts + lens - 1),
+        seq_pair=torch.arange(n_pairs).repeat_interleave(2),
+        seq_is_chosen=torch.tensor([True, False]).repeat(n_pairs),
+        pair_index=torch.tensor(micro_batch, dtype=torch.int64),
+        pair_weight=torch.full((n_pairs,), float(weight), dtype=torch.float32),
+        n_tokens=int(lens.sum()) if weight else 0,
+        n_pairs=n_pairs if weight else 0,
+        seq_lens=lens.tolist(),
+    )

@@ -1,0 +1,553 @@
+"""The shared distributed training loop for DPO and reward models (one file, top to bottom).
+
+Launch (the Snakemake rules do this; the same code runs on CPU with gloo and on GPUs with nccl):
+    torchrun --nproc-per-node 2 -m stages.train_dpo --params params.yaml --identity ... --out-dir ...
+    python -m stages.train_rm ...           # without torchrun: a single-process group of size 1
+
+One optimizer step, on every rank:
+  1. take this rank's micro-batches of the step from the deterministic global plan (packing.py);
+  2. one small CPU (gloo) all_gather of (micro-batches, pairs, tokens) per rank: every rank learns
+     the step's micro-batch count K and the GLOBAL pair count P; ranks with fewer micro-batches
+     run zero-weight filler micro-batches so DDP/FSDP collectives always line up;
+  3. forward/backward each micro-batch with loss = sum(per-pair loss) * world_size / P: DDP
+     averages gradients over ranks, so the update equals the single-process one on the same global
+     batch (gradients sync only on the last micro-batch: no_sync / set_requires_gradient_sync);
+  4. clip, AdamW (fused on CUDA), LR schedule; device-side finiteness asserts, no host sync;
+  5. one all_reduce of the step's summed metrics and ONE device->host read for the log row.
+Probe evaluation (step 0 and final) runs every probe pair exactly once, spread over ranks, and
+rank 0 writes the rows in manifest order.
+
+Seams for later work: `TrainState.step` + the deterministic `plan_training` make resuming a
+matter of restoring state and starting the loop at `state.step` (checkpoint issue);
+`build_optimizer`/`wrap_model`/`SequenceLogProbs(compile_chunks=...)` are where speed work plugs in.
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import logging
+import math
+import os
+import random
+import resource
+import shutil
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stages.lib.io import write_json, write_jsonl, write_text
+from stages.lib.modeling import attention_backend, base_model
+from stages.lib.packing import (MicroBatch, PackedBatch, StepPlan, TokenPairs, build_packed_batch, plan_inference,
+                                plan_training)
+
+log = logging.getLogger("trainer")
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+                   "generation_config.json")
+
+
+class TrainConfigError(ValueError):
+    """A training knob is refused before anything is built."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Settings (params.yaml `train` section)
+# ----------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TrainSettings:
+    gpus: int = 0                      # 0 = CPU with gloo; N = one process per GPU with nccl
+    cpu_procs: int = 1                 # processes torchrun starts on CPU (read by the rule)
+    parallel: str = "ddp"              # ddp | fsdp2
+    seed: int = 1234
+    epochs: float = 1.0
+    global_batch_pairs: int = 32       # pairs per optimizer step, over all ranks
+    micro_batch_tokens: int = 4096     # token budget of one packed micro-batch
+    lr: float = 1e-3
+    weight_decay: float = 0.0          # applied to matrices only (not biases / norm weights), as HF Trainer
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    warmup_ratio: float = 0.1          # warmup steps = ceil(ratio * total steps)
+    schedule: str = "cosine"           # cosine | linear | constant (after warmup)
+    max_grad_norm: float = 1.0         # 0 = no clipping (the norm is still logged)
+    logp_chunk_tokens: int = 2048      # LM-head chunk for log-probs
+    temperature: float = 1.0           # must be exactly 1
+    compile: bool = False              # torch.compile the log-prob chunk function
+    activation_checkpointing: bool = False
+    save_every: int = 0                # checkpoint cadence (checkpoint issue)
+
+    def __post_init__(self):
+        if self.temperature != 1.0:
+            raise TrainConfigError(f"train.temperature = {self.temperature}: log-probs, DPO rewards and reference "
+                                   "log-probs are defined at temperature 1; other values are refused")
+        if self.parallel not in ("ddp", "fsdp2"):
+            raise TrainConfigError(f"train.parallel = {self.parallel!r}: expected ddp or fsdp2")
+        if self.schedule not in ("cosine", "linear", "constant"):
+            raise TrainConfigError(f"train.schedule = {self.schedule!r}: expected cosine, linear or constant")
+
+    @classmethod
+    def from_params(cls, params: dict) -> "TrainSettings":
+        train = dict(params["train"])
+        known = {f for f in cls.__dataclass_fields__}
+        kw = {k: v for k, v in train.items() if k in known}
+        if "adam_betas" in kw:
+            kw["adam_betas"] = tuple(float(b) for b in kw["adam_betas"])
+        return cls(**kw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Distributed environment
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+    control_group: object = None       # CPU gloo group for the per-step control exchange
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(settings: TrainSettings) -> DistEnv:
+    """torchrun's env:// when launched by it; otherwise a one-process group, so the code path is the same."""
+    use_cuda = settings.gpus > 0
+    if use_cuda and not torch.cuda.is_available():
+        raise TrainConfigError(f"train.gpus = {settings.gpus} but CUDA is not available on this machine "
+                               "(set train.gpus: 0 to train on CPU)")
+    backend = "nccl" if use_cuda else "gloo"
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        timeout = timedelta(minutes=30)
+        if "RANK" in os.environ:
+            dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+    return DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=local_rank, device=device,
+                   backend=backend, control_group=control)
+
+
+def shutdown_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def control_exchange(env: DistEnv, n_micro: int, n_pairs: int, n_tokens: int) -> tuple[int, int, int]:
+    """(max micro-batches, global pairs, global tokens) over ranks: one tiny CPU all_gather."""
+    mine = torch.tensor([n_micro, n_pairs, n_tokens], dtype=torch.int64)
+    if env.world_size == 1:
+        return n_micro, n_pairs, n_tokens
+    everyone = [torch.empty_like(mine) for _ in range(env.world_size)]
+    dist.all_gather(everyone, mine, group=env.control_group)
+    table = torch.stack(everyone)
+    return int(table[:, 0].max()), int(table[:, 1].sum()), int(table[:, 2].sum())
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def autocast(env: DistEnv):
+    """bf16 autocast on GPU over fp32 master weights; plain fp32 on CPU."""
+    if env.device.type == "cuda":
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+# ----------------------------------------------------------------------------------------------
+# Model wrapping and optimizer
+# ----------------------------------------------------------------------------------------------
+
+def disable_dropout(module: nn.Module) -> None:
+    """As TRL does for DPO and reward training: dropout off, so ranks and reruns agree exactly."""
+    for m in module.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+
+
+def wrap_model(module: nn.Module, hf_model: nn.Module, settings: TrainSettings, env: DistEnv) -> nn.Module:
+    """DDP (replicated) or FSDP2 (fully_shard per transformer block, then the root)."""
+    if settings.parallel == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+        blocks = [m for m in hf_model.modules() if type(m).__name__ in (hf_model._no_split_modules or [])]
+        if not blocks:
+            raise TrainConfigError(f"FSDP2: {type(hf_model).__name__} declares no transformer block classes")
+        for block in blocks:
+            fully_shard(block)
+        fully_shard(module)
+        return module
+    import inspect
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    # Buffers (rotary tables) never change: skip the per-forward buffer broadcast (renamed in torch 2.13).
+    no_buffer_sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                      else {"broadcast_buffers": False})
+    return DDP(module, device_ids=[env.local_rank] if env.device.type == "cuda" else None, **no_buffer_sync)
+
+
+def gradient_sync(model: nn.Module, settings: TrainSettings, enabled: bool):
+    """Context for one micro-batch's backward: reduce gradients only on the step's last micro-batch."""
+    if settings.parallel == "fsdp2":
+        model.set_requires_gradient_sync(enabled)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if enabled else model.no_sync()
+
+
+def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv) -> torch.optim.AdamW:
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.adam_betas,
+                             fused=env.device.type == "cuda")
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """HF-style schedules (get_{cosine,linear,constant}_schedule_with_warmup): `step` counts
+    completed optimizer steps, so the first step of a warmup runs at factor 0."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def build_scheduler(optimizer, settings: TrainSettings, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = math.ceil(settings.warmup_ratio * total_steps)
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, warmup, total_steps, settings.schedule))
+
+
+def total_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: built (and pinned) on a background thread, off the step's critical path
+# ----------------------------------------------------------------------------------------------
+
+def prefetch_batches(pairs: TokenPairs, micro_batches: Iterable[MicroBatch], pin: bool, depth: int = 8
+                     ) -> Iterator[PackedBatch]:
+    def build(mb: MicroBatch) -> PackedBatch:
+        batch = build_packed_batch(pairs, mb)
+        return batch.pin_memory() if pin else batch
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack") as pool:
+        pending = []
+        for mb in micro_batches:
+            pending.append(pool.submit(build, mb))
+            if len(pending) > depth:
+                yield pending.pop(0).result()
+        for fut in pending:
+            yield fut.result()
+
+
+def filler_batch(pairs: TokenPairs) -> PackedBatch:
+    """A zero-weight micro-batch (pair 0) a rank runs when it has fewer micro-batches than others."""
+    return build_packed_batch(pairs, [0], weight=0.0)
+
+
+def model_inputs(batch: PackedBatch) -> dict:
+    return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+                max_seqlen=batch.max_seqlen, logp_positions=batch.logp_positions, logp_targets=batch.logp_targets,
+                logp_seq=batch.logp_seq, last_positions=batch.last_positions, n_seqs=batch.n_seqs)
+
+
+# ----------------------------------------------------------------------------------------------
+# Inference pass (reference log-probs, probe evaluation)
+# ----------------------------------------------------------------------------------------------
+
+@torch.no_grad()
+def run_inference(model: nn.Module, pairs: TokenPairs, env: DistEnv, micro_batch_tokens: int,
+                  desc: str = "inference") -> np.ndarray | None:
+    """Per-pair model outputs [n_pairs, 2] (chosen, rejected) as float64, on rank 0 (None elsewhere).
+    Every pair is scored exactly once; results are placed by pair index, never by arrival order."""
+    plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=micro_batch_tokens, world_size=env.world_size)
+    mine = plan[env.rank]
+    n_micro, _, _ = control_exchange(env, len(mine), sum(map(len, mine)), 0)
+    was_training = model.training
+    model.eval()
+    filler = filler_batch(pairs).to(env.device)
+    outputs, indices = [], []
+    batches = prefetch_batches(pairs, mine, pin=env.device.type == "cuda")
+    for k in range(n_micro):
+        batch = next(batches).to(env.device, non_blocking=True) if k < len(mine) else filler
+        with autocast(env):
+            out = model(**model_inputs(batch))
+        if k < len(mine):
+            outputs.append(out.view(-1, 2).double())
+            indices.extend(mine[k])
+    model.train(was_training)
+    local = (np.asarray(indices, dtype=np.int64),
+             torch.cat(outputs).cpu().numpy() if outputs else np.zeros((0, 2)))
+    gathered = [None] * env.world_size
+    dist.all_gather_object(gathered, local, group=env.control_group)
+    if not env.is_main:
+        return None
+    result = np.full((len(pairs), 2), np.nan)
+    seen = np.zeros(len(pairs), dtype=np.int64)
+    for idx, out in gathered:
+        result[idx] = out
+        np.add.at(seen, idx, 1)
+    if not (seen == 1).all():
+        raise RuntimeError(f"{desc}: pairs scored {seen.min()}..{seen.max()} times; every pair must be scored once")
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+# ----------------------------------------------------------------------------------------------
+
+@dataclass
+class TrainState:
+    step: int = 0                      # optimizer steps completed
+    tokens: int = 0                    # real tokens trained on (all ranks)
+    log_rows: list[dict] = field(default_factory=list)
+
+
+def plan_summary(plans: list[StepPlan], pairs: TokenPairs, world_size: int) -> list[dict]:
+    tokens = pairs.pair_tokens
+    out = []
+    for r in range(world_size):
+        mbs = [mb for s in plans for mb in s.rank_micro_batches[r]]
+        fillers = sum(max(len(x) for x in s.rank_micro_batches) - len(s.rank_micro_batches[r]) for s in plans)
+        out.append({"rank": r, "pairs": sum(map(len, mbs)), "tokens": int(sum(tokens[mb].sum() for mb in mbs)),
+                    "micro_batches": len(mbs), "filler_micro_batches": fillers})
+    return out
+
+
+def write_train_log(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    write_text(path, buf.getvalue())
+
+
+def export_model(model: nn.Module, module: nn.Module, objective, settings: TrainSettings, env: DistEnv,
+                 src_dir: Path, out_dir: Path) -> None:
+    """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM).
+    Tokenizer files are copied from the source directory so the export is usable on its own."""
+    hf = objective.hf_model(module)
+    state = None
+    if settings.parallel == "fsdp2":   # collective: every rank takes part
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        prefix = next(name for name, child in module.named_children() if child is hf) + "."
+        state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        # The gathered copies no longer share storage: drop the aliases of tied weights (lm_head = embeddings)
+        # so the export has the same tensors as a DDP run's.
+        first_name: dict[int, str] = {}
+        for name, p in hf.named_parameters(remove_duplicate=False):
+            if first_name.setdefault(id(p), name) != name:
+                state.pop(name, None)
+    if env.is_main:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        hf.save_pretrained(tmp, state_dict=state)
+        for name in TOKENIZER_FILES:
+            if (Path(src_dir) / name).exists() and not (tmp / name).exists():
+                shutil.copy2(Path(src_dir) / name, tmp / name)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    dist.barrier(group=env.control_group)
+
+
+def peak_memory_bytes(env: DistEnv) -> int:
+    if env.device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(env.device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # CPU: peak RSS of the process
+
+
+def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
+          probe_pairs: TokenPairs, out_dir: Path) -> dict:
+    """Train, evaluate the probe at step 0 and at the end, export; returns run_info (rank 0 writes files)."""
+    t_start = time.perf_counter()
+    out_dir = Path(out_dir)
+    if env.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+
+    # -- model, optimizer, plan ------------------------------------------------------------------
+    seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
+    module = objective.build_module(model_dir, settings)
+    hf = objective.hf_model(module)
+    disable_dropout(module)
+    if settings.activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.to(env.device)
+    objective.to(env.device)
+    model = wrap_model(module, hf, settings, env)
+    optimizer = build_optimizer(module, settings, env)
+    plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
+                          global_batch_pairs=settings.global_batch_pairs,
+                          micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
+    scheduler = build_scheduler(optimizer, settings, len(plans))
+    state = TrainState()
+    n_params = sum(p.numel() for p in module.parameters())
+    log.info("objective %s: %d train pairs, %d probe pairs, %d optimizer steps, world %d (%s, %s), %.2fM params, "
+             "attention %s", objective.name, len(train_pairs), len(probe_pairs), len(plans), env.world_size,
+             env.backend, settings.parallel, n_params / 1e6,
+             attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32))
+
+    # -- step-0 probe ----------------------------------------------------------------------------
+    def evaluate_probe(name: str) -> None:
+        outputs = run_inference(model, probe_pairs, env, settings.micro_batch_tokens, desc=f"probe {name}")
+        if env.is_main:
+            rows = objective.probe_rows(probe_pairs, outputs)
+            write_jsonl(out_dir / f"probe_{name}.jsonl", rows)
+            log.info("probe %s: accuracy %.4f over %d pairs", name,
+                     float(np.mean([r["correct"] for r in rows])), len(rows))
+
+    evaluate_probe("step0")
+
+    # -- the loop ----------------------------------------------------------------------------------
+    model.train()
+    filler = filler_batch(train_pairs).to(env.device)
+    my_micro_batches = (mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank])
+    batches = prefetch_batches(train_pairs, my_micro_batches, pin=env.device.type == "cuda")
+    metric_names = objective.metric_names
+    progress = _progress_bar(len(plans), state.step, env)
+    t_train = time.perf_counter()
+    t_step = time.perf_counter()
+    for plan in plans[state.step:]:
+        mine = plan.rank_micro_batches[env.rank]
+        n_micro, global_pairs, global_tokens = control_exchange(
+            env, len(mine), sum(map(len, mine)), int(sum(train_pairs.pair_tokens[mb].sum() for mb in mine)))
+        scale = env.world_size / global_pairs
+        lr = scheduler.get_last_lr()[0]
+        sums = torch.zeros(len(metric_names), dtype=torch.float64, device=env.device)
+        for k in range(n_micro):
+            batch = next(batches).to(env.device, non_blocking=True) if k < len(mine) else filler
+            with gradient_sync(model, settings, enabled=k == n_micro - 1):
+                with autocast(env):
+                    seq_out = model(**model_inputs(batch))
+                losses, metrics = objective.pair_terms(seq_out, batch, "train")
+                loss = (losses * batch.pair_weight.to(losses.dtype)).sum() * scale
+                torch._assert_async(torch.isfinite(loss), "non-finite loss")
+                loss.backward()
+            sums += (metrics * batch.pair_weight[:, None].to(metrics.dtype)).sum(0)
+        grad_norm = total_grad_norm(model, settings.max_grad_norm)
+        torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+
+        # One reduction and one device->host read per optimizer step, for the log row only.
+        dist.all_reduce(sums)
+        values = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)]).tolist()
+        now = time.perf_counter()
+        state.step += 1
+        state.tokens += global_tokens
+        row = {"step": state.step, "epoch": round(plan.epoch_progress, 6)}
+        row.update({name: values[i] / global_pairs for i, name in enumerate(metric_names)})
+        row.update({"lr": lr, "grad_norm": values[-1], "pairs": global_pairs, "tokens": global_tokens,
+                    "tokens_per_s": round(global_tokens / max(now - t_step, 1e-9), 1)})
+        t_step = now
+        state.log_rows.append(row)
+        progress.update(1)
+        progress.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", refresh=False)
+        if env.is_main and (state.step == len(plans) or state.step % max(1, len(plans) // 20) == 0):
+            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g tok/s %.0f",
+                     state.step, len(plans), row["epoch"], row["loss"], row["accuracy"], row["margin"], lr,
+                     row["grad_norm"], row["tokens_per_s"])
+    progress.close()
+    train_seconds = time.perf_counter() - t_train
+
+    # -- final probe, export, records ---------------------------------------------------------------
+    evaluate_probe("final")
+    export_model(model, module, objective, settings, env, Path(model_dir), out_dir / "model")
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, peak_memory_bytes(env), group=env.control_group)
+    import transformers
+    run_info = {
+        "objective": objective.name,
+        "head": objective.head,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": env.device.type,
+        "gpu_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
+        "parallel": settings.parallel,
+        "attention": attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32),
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+        "model_parameters": n_params,
+        "train_pairs": len(train_pairs),
+        "probe_pairs": len(probe_pairs),
+        "optimizer_steps": len(plans),
+        "per_rank": plan_summary(plans, train_pairs, env.world_size),
+        "total_tokens": state.tokens,
+        "train_seconds": round(train_seconds, 3),
+        "wall_seconds": round(time.perf_counter() - t_start, 3),
+        "tokens_per_s": round(state.tokens / max(train_seconds, 1e-9), 1),
+        "peak_memory_bytes_per_rank": peaks,
+        "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "cpu_max_rss",
+        "torch_version": torch.__version__,
+        "transformers_version": transformers.__version__,
+    }
+    if env.is_main:
+        write_train_log(out_dir / "train_log.csv", state.log_rows)
+        write_json(out_dir / "run_info.json", run_info)
+    return run_info
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage CLI helpers (train_dpo, train_rm, ref_logps)
+# ----------------------------------------------------------------------------------------------
+
+def add_common_args(parser) -> None:
+    parser.add_argument("--params", required=True, help="params.yaml")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--identity", help="ref_identity.json from verify_ref (the model directory is re-checked)")
+    source.add_argument("--model-dir", help="a model directory used as is (tests, benchmarks)")
+    parser.add_argument("--train-tokens", required=True, help="train_tokens.parquet")
+    parser.add_argument("--probe-tokens", required=True, help="probe_tokens.parquet (manifest order)")
+    parser.add_argument("--log", help="log file (rank 0)")
+
+
+def resolve_model_dir(args) -> Path:
+    if args.identity:
+        from stages.verify_ref import load_verified_dir
+        return Path(load_verified_dir(args.identity))
+    return Path(args.model_dir)
+
+
+def stage_logging(log_file, name: str, env: DistEnv) -> logging.Logger:
+    from stages.lib.io import setup_logging
+    logger = setup_logging(log_file if env.is_main else None, name)
+    if not env.is_main:
+        logging.getLogger().setLevel(logging.WARNING)
+    return logger
+
+
+def load_stage_tokens(model_dir: Path, train_path, probe_path) -> tuple[TokenPairs, TokenPairs]:
+    from transformers import AutoConfig
+    from stages.lib.packing import load_token_pairs
+    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    return load_token_pairs(train_path, vocab), load_token_pairs(probe_path, vocab)
+
+
+def _progress_bar(total: int, initial: int, env: DistEnv):
+    from tqdm import tqdm
+    return tqdm(total=total, initial=initial, desc="train", unit="step", file=sys.stderr,
+                disable=not env.is_main, mininterval=1.0)

@@ -1,0 +1,64 @@
+"""ref_logps: the frozen reference's summed completion log-probs for every train and probe pair, once.
+
+    torchrun --nproc-per-node N -m stages.ref_logps --params params.yaml --identity results/ref/ref_identity.json \\
+        --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
+        --out results/ref_logps/ref_logps.parquet --log logs/ref_logps.log
+
+Columns: pair_id, split (train|probe), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
+token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens).
+Packing, chunking, autocast and compile follow params `train` exactly as train_dpo's probe pass
+does, so the policy's step-0 probe log-probs reproduce these and every step-0 pair ties.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+import torch
+
+from stages.lib.io import write_parquet
+from stages.lib.modeling import SequenceLogProbs, load_causal_lm
+from stages.lib.objectives import ref_logps_table
+from stages.lib.params import load_params
+from stages.lib.trainer import (TrainSettings, add_common_args, disable_dropout, init_distributed, load_stage_tokens,
+                                resolve_model_dir, run_inference, shutdown_distributed, stage_logging)
+
+log = logging.getLogger("ref_logps")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m stages.ref_logps", description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--out", required=True, help="ref_logps.parquet")
+    args = parser.parse_args(argv)
+
+    params = load_params(args.params)
+    settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
+    env = init_distributed(settings)
+    try:
+        stage_logging(args.log, "ref_logps", env)
+        model_dir = resolve_model_dir(args)
+        train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
+        reference = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=settings.logp_chunk_tokens,
+                                     compile_chunks=settings.compile)
+        disable_dropout(reference)
+        reference.requires_grad_(False).to(env.device)
+        if settings.parallel == "fsdp2":      # shard a reference too large to replicate
+            from stages.lib.trainer import wrap_model
+            reference = wrap_model(reference, reference.lm, settings, env)
+        splits = []
+        for split, pairs in (("train", train_pairs), ("probe", probe_pairs)):
+            logps = run_inference(reference, pairs, env, settings.micro_batch_tokens, desc=f"ref_logps {split}")
+            splits.append((split, pairs, logps))
+            if env.is_main:
+                log.info("%s: %d pairs, %d completion tokens", split, len(pairs), pairs.completion_tokens)
+        if env.is_main:
+            write_parquet(Path(args.out), ref_logps_table(splits))
+            log.info("wrote %s", args.out)
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""train_dpo: DPO (frozen reference via precomputed log-probs) or reference-free DPO, packed and data-parallel.
+
+    torchrun --nproc-per-node N -m stages.train_dpo --params params.yaml --identity results/ref/ref_identity.json \\
+        --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
+        --ref-logps results/ref_logps/ref_logps.parquet --out-dir results/train_dpo --log logs/train_dpo.log
+
+The policy starts from the verified reference directory; the reference model itself is never loaded
+(its log-probs come from the ref_logps stage). dpo.objective: dpo_ref_free never reads --ref-logps.
+Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_final.jsonl}.
+"""
+from __future__ import annotations
+
+import argparse
+
+from stages.lib.io import read_parquet
+from stages.lib.objectives import DPOObjective, ref_logps_for
+from stages.lib.params import load_params
+from stages.lib.trainer import (TrainSettings, add_common_args, init_distributed, load_stage_tokens,
+                                resolve_model_dir, shutdown_distributed, stage_logging, train)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m stages.train_dpo", description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--ref-logps", help="ref_logps.parquet (required for dpo.objective: dpo)")
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args(argv)
+
+    params = load_params(args.params)
+    settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
+    dpo = params["dpo"]
+    if dpo["objective"] == "dpo" and not args.ref_logps:
+        parser.error("dpo.objective is dpo: --ref-logps is required (run the ref_logps stage)")
+    env = init_distributed(settings)
+    try:
+        log = stage_logging(args.log, "train_dpo", env)
+        model_dir = resolve_model_dir(args)
+        train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
+        ref = None
+        if dpo["objective"] == "dpo":
+            table = read_parquet(args.ref_logps)
+            ref = {"train": ref_logps_for(table, "train", train_pairs, args.ref_logps),
+                   "probe": ref_logps_for(table, "probe", probe_pairs, args.ref_logps)}
+        elif args.ref_logps:
+            log.info("dpo_ref_free: --ref-logps %s is not read", args.ref_logps)
+        return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
+                     probe_pairs=probe_pairs, out_dir=args.out_dir)
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,42 @@
+"""train_rm: pairwise (Bradley-Terry) reward model = causal-LM body + scalar head, packed and data-parallel.
+
+    torchrun --nproc-per-node N -m stages.train_rm --params params.yaml --identity results/ref/ref_identity.json \\
+        --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
+        --out-dir results/train_rm --log logs/train_rm.log
+
+The body starts from the verified reference directory, the scalar `score` head from the seeded RNG.
+Writes OUT_DIR/{model/ (AutoModelForSequenceClassification, num_labels=1), train_log.csv, run_info.json,
+probe_step0.jsonl, probe_final.jsonl}.
+"""
+from __future__ import annotations
+
+import argparse
+
+from stages.lib.objectives import RewardObjective
+from stages.lib.params import load_params
+from stages.lib.trainer import (TrainSettings, add_common_args, init_distributed, load_stage_tokens,
+                                resolve_model_dir, shutdown_distributed, stage_logging, train)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m stages.train_rm", description=__doc__.split("\n")[0])
+    add_common_args(parser)
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args(argv)
+
+    params = load_params(args.params)
+    settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
+    env = init_distributed(settings)
+    try:
+        stage_logging(args.log, "train_rm", env)
+        model_dir = resolve_model_dir(args)
+        train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
+        objective = RewardObjective(params["rm"], train_pairs.margins, source=str(args.train_tokens))
+        return train(objective, settings, env, model_dir=model_dir, train_pairs=train_pairs,
+                     probe_pairs=probe_pairs, out_dir=args.out_dir)
+    finally:
+        shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

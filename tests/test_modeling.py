@@ -1,0 +1,163 @@
+"""Packed models against an independent padded/unpacked/full-logits implementation on tiny real models."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, reference_rm_scores, reference_seq_logps,
+                            token_row, write_token_parquet)
+from stages.lib.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewards, load_causal_lm,
+                                 load_reward_model)
+from stages.lib.packing import build_packed_batch, load_token_pairs, pack_micro_batches
+
+
+def batch_inputs(batch):
+    return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
+                max_seqlen=batch.max_seqlen, logp_positions=batch.logp_positions, logp_targets=batch.logp_targets,
+                logp_seq=batch.logp_seq, last_positions=batch.last_positions, n_seqs=batch.n_seqs)
+
+
+def eager_copy(model_dir, cls):
+    return cls.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_packed_logps_and_grads_match_padded_full_logits(tmp_path, arch):
+    from transformers import AutoModelForCausalLM
+    model_dir = make_tiny_model_dir(tmp_path / "m", arch=arch, tie=arch == "qwen2")
+    rows = random_rows(6, seed=5)
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    batch = build_packed_batch(pairs, [3, 0, 5, 1, 4, 2])
+    packed = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=5)   # several chunks, last one ragged
+    got = packed(**batch_inputs(batch))
+
+    ref_model = eager_copy(model_dir, AutoModelForCausalLM)
+    seqs, pls = pair_seqs([rows[i] for i in [3, 0, 5, 1, 4, 2]])
+    want = reference_seq_logps(ref_model, seqs, pls)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    # A DPO-style loss through both paths: identical gradients on every parameter.
+    weights = torch.linspace(-1, 1, len(seqs), dtype=torch.float64)
+    torch.nn.functional.logsigmoid(0.1 * (got * weights).sum()).backward()
+    torch.nn.functional.logsigmoid(0.1 * (want * weights).sum()).backward()
+    ref_grads = dict(ref_model.named_parameters())
+    for name, p in packed.lm.named_parameters():
+        torch.testing.assert_close(p.grad, ref_grads[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_no_attention_across_packed_sequences(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    rows = random_rows(4, seed=6)
+    packed = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=64).eval()
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "a.parquet", rows))
+    base = packed(**batch_inputs(build_packed_batch(pairs, [0, 1, 2, 3])))
+    # Perturb pair 1's chosen sequence (prompt and completion tokens, same length).
+    changed = dict(rows[1])
+    changed["chosen_ids"] = [(t * 7 + 3) % 125 + 3 for t in rows[1]["chosen_ids"]]
+    pairs2 = load_token_pairs(write_token_parquet(tmp_path / "b.parquet", [rows[0], changed, rows[2], rows[3]]))
+    after = packed(**batch_inputs(build_packed_batch(pairs2, [0, 1, 2, 3])))
+    others = [s for s in range(8) if s != 2]
+    torch.testing.assert_close(after[others], base[others], rtol=0, atol=1e-6)
+    assert abs(after[2] - base[2]) > 1e-3
+
+
+def test_outputs_stay_bound_to_pair_ids_under_shuffled_packing(tmp_path):
+    from transformers import AutoModelForCausalLM
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    rows = random_rows(20, seed=7)
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    packed = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=16).eval()
+    order = np.random.default_rng(0).permutation(20).tolist()
+    by_pair: dict[str, tuple[float, float]] = {}
+    with torch.no_grad():
+        for mb in pack_micro_batches(order, pairs.pair_tokens, budget=60, sort=True):
+            batch = build_packed_batch(pairs, mb)
+            out = packed(**batch_inputs(batch)).view(-1, 2)
+            for k, idx in enumerate(batch.pair_index.tolist()):
+                by_pair[pairs.pair_ids[idx]] = tuple(out[k].tolist())
+    ref_model = eager_copy(model_dir, AutoModelForCausalLM)
+    with torch.no_grad():
+        for r in rows:
+            want = reference_seq_logps(ref_model, [r["chosen_ids"], r["rejected_ids"]],
+                                       [r["chosen_prompt_len"], r["rejected_prompt_len"]])
+            np.testing.assert_allclose(by_pair[r["pair_id"]], want.numpy(), rtol=0, atol=1e-5)
+
+
+def hh_token_rows(hh_rlhf_path, tokenizer_dir, n: int) -> list[dict]:
+    """Tokenize real HH-RLHF pairs: prompt = shared transcript up to and including the last
+    "\\n\\nAssistant:"; prompt and completion tokenized separately so the boundary is exact."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = []
+    with gzip.open(hh_rlhf_path, "rt", encoding="utf-8") as f:
+        for line in f:
+            ex = json.loads(line)
+            cut = ex["chosen"].rfind("\n\nAssistant:") + len("\n\nAssistant:")
+            prompt = ex["chosen"][:cut]
+            if not ex["rejected"].startswith(prompt) or len(ex["chosen"]) > 600 or len(ex["rejected"]) > 600:
+                continue
+            p = tok(prompt)["input_ids"]
+            c, r = tok(ex["chosen"][cut:])["input_ids"], tok(ex["rejected"][cut:])["input_ids"]
+            if c and r and c != r:
+                rows.append(token_row(f"hh{len(rows)}", p + c, len(p), p + r, len(p)))
+            if len(rows) == n:
+                return rows
+    raise AssertionError("not enough short HH-RLHF pairs")
+
+
+def test_reward_score_read_at_last_completion_token_on_real_hh_rlhf(tmp_path, hh_rlhf_path, gpt2_tokenizer_dir):
+    from transformers import AutoModelForSequenceClassification
+    rows = hh_token_rows(hh_rlhf_path, gpt2_tokenizer_dir, n=4)
+    model_dir = make_tiny_model_dir(tmp_path / "m", vocab=50257)
+    torch.manual_seed(0)
+    rm = load_reward_model(model_dir)
+    assert rm.score.out_features == 1 and rm.config.pad_token_id is not None
+    rm.save_pretrained(tmp_path / "rm")
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows), vocab_size=50257)
+    batch = build_packed_batch(pairs, [2, 0, 3, 1])
+    with torch.no_grad():
+        got = SequenceRewards(rm).eval()(**batch_inputs(batch))
+        eager = eager_copy(tmp_path / "rm", AutoModelForSequenceClassification).eval()
+        seqs, _ = pair_seqs([rows[i] for i in [2, 0, 3, 1]])
+        torch.testing.assert_close(got, reference_rm_scores(eager, seqs), rtol=0, atol=1e-5)
+        # The exported directory scores each unpadded sequence the same through HF's own forward.
+        hf = torch.cat([eager(input_ids=torch.tensor([s])).logits[:, 0] for s in seqs])
+        torch.testing.assert_close(got, hf, rtol=0, atol=1e-5)
+        # And it is the LAST token that is read: dropping it changes the score.
+        shorter = eager(input_ids=torch.tensor([seqs[0][:-1]])).logits[0, 0]
+        assert abs(shorter - got[0]) > 1e-6
+
+
+def test_non_finite_logits_fail_fast(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", random_rows(2, seed=8)))
+    batch = build_packed_batch(pairs, [0, 1])
+    lm = load_causal_lm(model_dir)
+    with torch.no_grad():
+        lm.model.norm.weight[0] = float("inf")
+    with pytest.raises(RuntimeError, match="non-finite log-probs"):
+        SequenceLogProbs(lm, chunk_tokens=8)(**batch_inputs(batch))
+    rm = load_reward_model(model_dir)
+    with torch.no_grad():
+        rm.score.weight[0, 0] = float("nan")
+    with pytest.raises(RuntimeError, match="non-finite reward scores"):
+        SequenceRewards(rm)(**batch_inputs(batch))
+
+
+def test_loaders_refuse_the_wrong_head(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    rm = load_reward_model(model_dir)
+    rm.save_pretrained(tmp_path / "rm")
+    with pytest.raises(ModelLoadError, match="classification head"):
+        load_causal_lm(tmp_path / "rm")
+    from transformers import AutoModelForSequenceClassification
+    AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=3).save_pretrained(tmp_path / "cls3")
+    with pytest.raises(ModelLoadError, match="num_labels=3"):
+        load_reward_model(tmp_path / "cls3")
+    reloaded = load_reward_model(tmp_path / "rm")   # an RM directory reloads with its trained head
+    torch.testing.assert_close(reloaded.score.weight, rm.score.weight)

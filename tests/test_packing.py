@@ -1,0 +1,118 @@
+"""Packing: token parquet validation, micro-batch plans, and the tensors of a packed batch."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from engine_helpers import random_rows, token_row, write_token_parquet
+from stages.lib.packing import (TokenDataError, assign_pairs_to_ranks, build_packed_batch, load_token_pairs,
+                                pack_micro_batches, plan_inference, plan_training)
+
+
+def test_load_token_pairs_interleaves_chosen_and_rejected(tmp_path):
+    rows = random_rows(5, seed=1, margins=True)
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    assert pairs.pair_ids == [r["pair_id"] for r in rows]
+    assert pairs.token_hashes == [r["token_hash"] for r in rows]
+    for i, r in enumerate(rows):
+        assert pairs.seq_ids[2 * i].tolist() == r["chosen_ids"]
+        assert pairs.seq_ids[2 * i + 1].tolist() == r["rejected_ids"]
+        assert pairs.seq_prompt_lens[2 * i] == r["chosen_prompt_len"]
+    np.testing.assert_allclose(pairs.margins, [r["margin"] for r in rows])
+
+
+@pytest.mark.parametrize("bad, reason", [
+    (dict(chosen_prompt_len=0), "prompt_len 0"),
+    (dict(chosen_prompt_len=3), "prompt_len 3 leaves no scoreable completion"),
+    (dict(rejected_ids=[5, 7, 500]), "token id out of range"),
+])
+def test_load_token_pairs_refuses_bad_rows_naming_them(tmp_path, bad, reason):
+    rows = random_rows(3, seed=2)
+    rows[1] = {**token_row("bad", [5, 6, 7], 2, [5, 6, 9], 2), **bad}
+    path = write_token_parquet(tmp_path / "t.parquet", rows)
+    with pytest.raises(TokenDataError, match=f"row 1 \\(pair bad\\).*{reason}"):
+        load_token_pairs(path, vocab_size=128)
+
+
+def test_load_token_pairs_refuses_duplicate_ids_and_missing_columns(tmp_path):
+    rows = random_rows(3, seed=3)
+    rows[2]["pair_id"] = rows[0]["pair_id"]
+    with pytest.raises(TokenDataError, match="row 2: pair_id .* repeats row 0"):
+        load_token_pairs(write_token_parquet(tmp_path / "dup.parquet", rows))
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"pair_id": ["a"]}), tmp_path / "cols.parquet")
+    with pytest.raises(TokenDataError, match="missing columns"):
+        load_token_pairs(tmp_path / "cols.parquet")
+
+
+def test_pack_micro_batches_respects_budget_and_keeps_every_pair_once():
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(5, 60, 200)
+    tokens[7] = 500   # longer than the budget on its own: isolated, never dropped
+    for sort in (True, False):
+        mbs = pack_micro_batches(list(range(200)), tokens, budget=128, sort=sort)
+        assert sorted(i for mb in mbs for i in mb) == list(range(200))
+        for mb in mbs:
+            assert tokens[mb].sum() <= 128 or mb == [7]
+    sequential = pack_micro_batches(list(range(200)), tokens, budget=128, sort=False)
+    assert [i for mb in sequential for i in mb] == list(range(200))   # order preserved
+    dense = pack_micro_batches(list(range(200)), tokens, budget=128, sort=True)
+    assert len(dense) <= len(sequential)
+
+
+def test_assign_pairs_to_ranks_balances_tokens():
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(10, 400, 64)
+    per_rank = assign_pairs_to_ranks(list(range(64)), tokens, 4)
+    loads = [tokens[r].sum() for r in per_rank]
+    assert sorted(i for r in per_rank for i in r) == list(range(64))
+    assert max(loads) - min(loads) <= tokens.max()   # LPT bound
+
+
+def test_plan_training_is_world_size_independent_per_step_and_covers_epochs():
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(10, 100, 50)
+    kw = dict(global_batch_pairs=8, micro_batch_tokens=200, seed=11)
+    one = plan_training(tokens, epochs=2, world_size=1, **kw)
+    two = plan_training(tokens, epochs=2, world_size=2, **kw)
+    assert len(one) == len(two) == 2 * 7     # ceil(50 / 8) steps per epoch, last one partial
+    for a, b in zip(one, two):
+        flat_a = sorted(i for mb in a.rank_micro_batches[0] for i in mb)
+        flat_b = sorted(i for r in b.rank_micro_batches for mb in r for i in mb)
+        assert flat_a == flat_b and a.epoch == b.epoch
+    for epoch in (0, 1):
+        seen = [i for s in one if s.epoch == epoch for mb in s.rank_micro_batches[0] for i in mb]
+        assert sorted(seen) == list(range(50))
+    assert one[6].pairs() == 2 and one[-1].epoch_progress == pytest.approx(2.0)
+    assert plan_training(tokens, epochs=1, world_size=1, **{**kw, "seed": 12})[0] != one[0]
+    half = plan_training(tokens, epochs=1.5, world_size=1, **kw)
+    assert sum(s.pairs() for s in half) == 75 and half[-1].epoch_progress == pytest.approx(1.5)
+
+
+def test_plan_inference_micro_batches_do_not_depend_on_world_size():
+    tokens = np.random.default_rng(3).integers(10, 100, 37)
+    one = plan_inference(tokens, micro_batch_tokens=150, world_size=1)[0]
+    three = plan_inference(tokens, micro_batch_tokens=150, world_size=3)
+    assert sorted(map(tuple, one)) == sorted(tuple(mb) for r in three for mb in r)
+
+
+def test_packed_batch_positions_boundaries_and_targets(tmp_path):
+    rows = [token_row("a", [10, 11, 12, 13], 2, [10, 11, 14], 2), token_row("b", [20, 21, 22], 1, [20, 23, 24, 25], 1)]
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    b = build_packed_batch(pairs, [1, 0])    # packed in reverse order: pair b first
+    assert b.input_ids.tolist() == [[20, 21, 22, 20, 23, 24, 25, 10, 11, 12, 13, 10, 11, 14]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2]]
+    assert b.cu_seqlens.tolist() == [0, 3, 7, 11, 14] and b.max_seqlen == 4
+    # completion tokens: b.chosen [21, 22], b.rejected [23, 24, 25], a.chosen [12, 13], a.rejected [14]
+    assert b.logp_targets.tolist() == [21, 22, 23, 24, 25, 12, 13, 14]
+    assert (b.input_ids[0, b.logp_positions + 1] == b.logp_targets).all()
+    assert b.logp_seq.tolist() == [0, 0, 1, 1, 1, 2, 2, 3]
+    assert b.last_positions.tolist() == [2, 6, 10, 13]
+    assert b.pair_index.tolist() == [1, 0] and b.seq_pair.tolist() == [0, 0, 1, 1]
+    assert b.seq_is_chosen.tolist() == [True, False, True, False]
+    assert (b.n_tokens, b.n_pairs) == (14, 2)
+    filler = build_packed_batch(pairs, [0], weight=0.0)
+    assert (filler.n_tokens, filler.n_pairs) == (0, 0) and filler.pair_weight.tolist() == [0.0]
+    assert torch.equal(b.to(torch.device("cpu")).input_ids, b.input_ids)

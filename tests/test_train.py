@@ -1,0 +1,304 @@
+"""The training engine end to end: objectives, schedule, loss/grad parity with an independent implementation,
+refusals, determinism, and real torchrun runs (DP=2 vs DP=1, FSDP2, the stage CLIs)."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import yaml
+
+from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, reference_rm_scores, reference_seq_logps,
+                            toy_task_rows, write_token_parquet)
+from stages.lib.io import read_jsonl, read_parquet
+from stages.lib.objectives import (RefLogpsError, dpo_pair_losses, ref_logps_for, ref_logps_table,
+                                   reward_pair_losses, tie_aware_accuracy)
+from stages.lib.packing import load_token_pairs, plan_training
+from stages.lib.trainer import TrainConfigError, TrainSettings, lr_factor
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ----------------------------------------------------------------------------------------------
+# Assets
+# ----------------------------------------------------------------------------------------------
+
+def write_params(path: Path, train: dict | None = None, dpo: dict | None = None, rm: dict | None = None) -> Path:
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["train"].update({"gpus": 0, "epochs": 2, "global_batch_pairs": 16, "micro_batch_tokens": 160,
+                            "lr": 3e-3, "warmup_ratio": 0.1, "logp_chunk_tokens": 32, "seed": 5, **(train or {})})
+    params["dpo"].update(dpo or {})
+    params["rm"].update(rm or {})
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+@pytest.fixture
+def assets(tmp_path):
+    """A tiny Qwen2 model and a learnable toy preference task (37 probe pairs: the last chunk is partial)."""
+    make_tiny_model_dir(tmp_path / "model")
+    write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
+    write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
+    return tmp_path
+
+
+def stage_args(a: Path, out_flag: str, out: Path, params: Path) -> list[str]:
+    return ["--params", str(params), "--model-dir", str(a / "model"), "--train-tokens", str(a / "train.parquet"),
+            "--probe-tokens", str(a / "probe.parquet"), out_flag, str(out), "--log", str(out) + ".log"]
+
+
+def torchrun(nproc: int, module: str, args: list[str], timeout: int = 240) -> None:
+    # --standalone: a private rendezvous on a free port. `--` keeps torchrun's own parser away from
+    # our flags (`--log` is an ambiguous prefix of its --log-dir).
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", module, "--", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)      # the launcher and its workers, nothing else
+        _, err = proc.communicate()
+        pytest.fail(f"torchrun {module} timed out after {timeout}s:\n{err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+
+
+# ----------------------------------------------------------------------------------------------
+# Objectives and schedule (pure)
+# ----------------------------------------------------------------------------------------------
+
+def test_dpo_losses_match_the_paper_formulas():
+    pc, pr, rc, rr = (torch.tensor(v, dtype=torch.float64) for v in ([-3.0, -1.0], [-2.0, -4.0], [-2.5, -1.5], [-2.5, -2.0]))
+    z = (pc - rc) - (pr - rr)
+    sig = dpo_pair_losses(pc, pr, rc, rr, beta=0.1)
+    torch.testing.assert_close(sig, torch.log1p(torch.exp(-0.1 * z)))
+    smooth = dpo_pair_losses(pc, pr, rc, rr, beta=0.1, label_smoothing=0.2)
+    torch.testing.assert_close(smooth, 0.8 * torch.log1p(torch.exp(-0.1 * z)) + 0.2 * torch.log1p(torch.exp(0.1 * z)))
+    torch.testing.assert_close(dpo_pair_losses(pc, pr, rc, rr, beta=0.1, loss_type="ipo"), (z - 5.0) ** 2)
+    free = dpo_pair_losses(pc, pr, torch.zeros(2), torch.zeros(2), beta=0.5)
+    torch.testing.assert_close(free, torch.log1p(torch.exp(-0.5 * (pc - pr))))
+
+
+def test_reward_loss_matches_trl_reward_trainer():
+    sc, sr, m = torch.tensor([1.0, -0.5, 0.2]), torch.tensor([0.0, 0.5, 0.2]), torch.tensor([0.5, 0.0, 1.0])
+    torch.testing.assert_close(reward_pair_losses(sc, sr).mean(), -F.logsigmoid(sc - sr).mean())
+    torch.testing.assert_close(reward_pair_losses(sc, sr, m, center_rewards_coefficient=0.01).mean(),
+                               -F.logsigmoid(sc - sr - m).mean() + 0.01 * torch.mean((sc + sr) ** 2))
+    assert tie_aware_accuracy(sc - sr).tolist() == [1.0, 0.0, 0.5]
+
+
+def test_lr_schedules_follow_hf_warmup_semantics():
+    assert [lr_factor(s, 2, 10, "cosine") for s in (0, 1, 2)] == [0.0, 0.5, 1.0]
+    assert lr_factor(10, 2, 10, "cosine") == pytest.approx(0.0) and lr_factor(6, 2, 10, "cosine") == pytest.approx(0.5)
+    assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5) and lr_factor(9, 2, 10, "constant") == 1.0
+
+
+def test_temperature_other_than_one_is_refused_before_anything_is_built(assets):
+    params = write_params(assets / "p.yaml", train={"temperature": 0.7})
+    with pytest.raises(TrainConfigError, match="temperature = 0.7"):
+        TrainSettings.from_params(yaml.safe_load(params.read_text()))
+    from stages import train_dpo
+    with pytest.raises(TrainConfigError, match="temperature"):
+        train_dpo.main(stage_args(assets, "--out-dir", assets / "out", params)[:-2] + ["--ref-logps", "x.parquet"])
+    assert not dist.is_initialized() and not (assets / "out").exists()
+
+
+def test_ref_logps_refuses_missing_and_stale_pairs(assets):
+    pairs = load_token_pairs(assets / "probe.parquet")
+    table = ref_logps_table([("probe", pairs, np.zeros((len(pairs), 2)))])
+    np.testing.assert_array_equal(ref_logps_for(table, "probe", pairs, "r.parquet"), np.zeros((len(pairs), 2)))
+    with pytest.raises(RefLogpsError, match="no train row for pair"):
+        ref_logps_for(table, "train", pairs, "r.parquet")
+    stale = table.set_column(4, "token_hash", [["0" * 64] * len(pairs)])
+    with pytest.raises(RefLogpsError, match=f"pair {pairs.pair_ids[0]} was computed from other tokens"):
+        ref_logps_for(stale, "probe", pairs, "r.parquet")
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process runs (a one-process group): parity with the independent implementation, determinism
+# ----------------------------------------------------------------------------------------------
+
+def first_step_rows(assets: Path, params: Path) -> list[dict]:
+    settings = TrainSettings.from_params(yaml.safe_load(params.read_text()))
+    pairs = load_token_pairs(assets / "train.parquet")
+    plan = plan_training(pairs.pair_tokens, epochs=settings.epochs, world_size=1,
+                         global_batch_pairs=settings.global_batch_pairs,
+                         micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)[0]
+    rows = pd.read_parquet(assets / "train.parquet").to_dict("records")
+    return [{k: (list(v) if hasattr(v, "tolist") else v) for k, v in rows[i].items()}
+            for mb in plan.rank_micro_batches[0] for i in mb]
+
+
+def grad_norm(model) -> float:
+    return math.sqrt(sum(float(p.grad.double().pow(2).sum()) for p in model.parameters() if p.grad is not None))
+
+
+def test_dpo_first_step_loss_grad_norm_and_ref_logps_match_independent_implementation(assets):
+    from transformers import AutoModelForCausalLM
+    from stages import ref_logps, train_dpo
+    params = write_params(assets / "p.yaml", dpo={"objective": "dpo_ref_free", "beta": 0.5})
+    ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
+    out = assets / "dpo"
+    train_dpo.main(stage_args(assets, "--out-dir", out, params))
+
+    model = AutoModelForCausalLM.from_pretrained(assets / "model", attn_implementation="eager", dtype=torch.float32)
+    table = read_parquet(assets / "ref.parquet").to_pandas()
+    probe_rows = pd.read_parquet(assets / "probe.parquet").to_dict("records")
+    seqs, pls = pair_seqs([{k: (list(v) if hasattr(v, "tolist") else v) for k, v in r.items()} for r in probe_rows])
+    with torch.no_grad():
+        want = reference_seq_logps(model, seqs, pls).view(-1, 2).numpy()
+    got = table[table.split == "probe"][["ref_chosen_logp", "ref_rejected_logp"]].to_numpy()
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
+    assert table[table.split == "probe"].pair_id.tolist() == [r["pair_id"] for r in probe_rows]
+
+    step = first_step_rows(assets, params)
+    seqs, pls = pair_seqs(step)
+    logps = reference_seq_logps(model, seqs, pls).view(-1, 2)
+    loss = -F.logsigmoid(0.5 * (logps[:, 0] - logps[:, 1])).mean()
+    loss.backward()
+    log = pd.read_csv(out / "train_log.csv")
+    assert log.loss[0] == pytest.approx(loss.item(), rel=1e-6)
+    assert log.grad_norm[0] == pytest.approx(grad_norm(model), rel=1e-5)
+    assert log.pairs[0] == 16 and log.tokens[0] == sum(map(len, seqs))
+    step0 = read_jsonl(out / "probe_step0.jsonl")
+    np.testing.assert_allclose([[r["policy_chosen_logp"], r["policy_rejected_logp"]] for r in step0], want,
+                               rtol=0, atol=1e-5)
+    assert all(r["ref_chosen_logp"] == 0.0 for r in step0)      # reference-free
+
+
+def test_rm_first_step_loss_and_grad_norm_match_independent_implementation(assets):
+    from transformers import AutoModelForSequenceClassification
+    from stages import train_rm
+    from stages.lib.modeling import load_reward_model
+    params = write_params(assets / "p.yaml", rm={"center_rewards_coefficient": 0.05})
+    out = assets / "rm"
+    train_rm.main(stage_args(assets, "--out-dir", out, params))
+
+    torch.manual_seed(5)                      # the trainer seeds with train.seed before creating the head
+    load_reward_model(assets / "model").save_pretrained(assets / "rm_init")
+    model = AutoModelForSequenceClassification.from_pretrained(assets / "rm_init", attn_implementation="eager",
+                                                               dtype=torch.float32)
+    seqs, _ = pair_seqs(first_step_rows(assets, params))
+    scores = reference_rm_scores(model, seqs).view(-1, 2)
+    sc, sr = scores[:, 0], scores[:, 1]
+    loss = -F.logsigmoid(sc - sr).mean() + 0.05 * torch.mean((sc + sr) ** 2)
+    loss.backward()
+    log = pd.read_csv(out / "train_log.csv")
+    assert log.loss[0] == pytest.approx(float(loss), rel=1e-5)
+    assert log.grad_norm[0] == pytest.approx(grad_norm(model), rel=1e-5)
+
+    # The export is a sequence-classification directory that scores like the trained model.
+    exported = AutoModelForSequenceClassification.from_pretrained(out / "model")
+    assert exported.config.num_labels == 1 and exported.config.pad_token_id is not None
+    final = read_jsonl(out / "probe_final.jsonl")
+    probe = pd.read_parquet(assets / "probe.parquet")
+    with torch.no_grad():
+        for k in (0, 36):
+            ids = torch.tensor([list(probe.chosen_ids[k])])
+            assert float(exported(input_ids=ids).logits[0, 0]) == pytest.approx(final[k]["chosen_score"], abs=1e-5)
+
+
+def test_training_is_deterministic_on_cpu(assets):
+    from stages import train_rm
+    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    for name in ("a", "b"):
+        train_rm.main(stage_args(assets, "--out-dir", assets / name, params))
+    for f in ("probe_final.jsonl", "model/model.safetensors", "model/config.json"):
+        assert (assets / "a" / f).read_bytes() == (assets / "b" / f).read_bytes(), f
+    cols = ["step", "loss", "accuracy", "grad_norm", "lr"]
+    pd.testing.assert_frame_equal(pd.read_csv(assets / "a/train_log.csv")[cols],
+                                  pd.read_csv(assets / "b/train_log.csv")[cols])
+
+
+def test_non_finite_model_fails_fast(assets):
+    from safetensors.torch import load_file, save_file
+    from stages import train_rm
+    weights = load_file(assets / "model" / "model.safetensors")
+    weights["model.norm.weight"][3] = float("nan")
+    save_file(weights, assets / "model" / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(RuntimeError, match="non-finite"):
+        train_rm.main(stage_args(assets, "--out-dir", assets / "rm", write_params(assets / "p.yaml")))
+    assert not (assets / "rm" / "model").exists()
+    assert not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------
+# Real torchrun (gloo on CPU)
+# ----------------------------------------------------------------------------------------------
+
+def assert_same_training(a: Path, b: Path, atol: float = 1e-6) -> None:
+    la, lb = pd.read_csv(a / "train_log.csv"), pd.read_csv(b / "train_log.csv")
+    assert len(la) == len(lb) > 1
+    np.testing.assert_allclose(la.loss, lb.loss, rtol=0, atol=atol)
+    from safetensors.torch import load_file
+    wa, wb = load_file(a / "model/model.safetensors"), load_file(b / "model/model.safetensors")
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=k)
+
+
+def assert_probe_rows(path: Path, probe: Path, keys: set[str]) -> list[dict]:
+    rows = read_jsonl(path)
+    want = pd.read_parquet(probe)
+    assert [r["pair_id"] for r in rows] == want.pair_id.tolist()          # all pairs, manifest order
+    assert [r["token_hash"] for r in rows] == want.token_hash.tolist()
+    assert [r["index"] for r in rows] == list(range(len(want)))
+    for r in rows:
+        assert set(r) == keys
+        assert r["correct"] == (1.0 if r["margin"] > 0 else 0.0 if r["margin"] < 0 else 0.5)
+    return rows
+
+
+DPO_KEYS = {"pair_id", "index", "token_hash", "policy_chosen_logp", "policy_rejected_logp", "ref_chosen_logp",
+            "ref_rejected_logp", "chosen_reward", "rejected_reward", "margin", "correct"}
+RM_KEYS = {"pair_id", "index", "token_hash", "chosen_score", "rejected_score", "margin", "correct"}
+
+
+@pytest.mark.slow
+def test_dpo_under_torchrun_dp2_equals_dp1_and_learns(assets):
+    params = write_params(assets / "p.yaml", train={"lr": 1e-3})
+    torchrun(2, "stages.ref_logps", stage_args(assets, "--out", assets / "ref.parquet", params))
+    ref_args = ["--ref-logps", str(assets / "ref.parquet")]
+    for n in (1, 2):
+        torchrun(n, "stages.train_dpo", stage_args(assets, "--out-dir", assets / f"dp{n}", params) + ref_args)
+    assert_same_training(assets / "dp1", assets / "dp2")
+
+    # Longer and hotter, so the tiny policy visibly learns the toy preference.
+    hot = write_params(assets / "hot.yaml", train={"lr": 1e-2, "epochs": 4})
+    torchrun(2, "stages.train_dpo", stage_args(assets, "--out-dir", assets / "hot", hot) + ref_args)
+    step0 = assert_probe_rows(assets / "hot/probe_step0.jsonl", assets / "probe.parquet", DPO_KEYS)
+    final = assert_probe_rows(assets / "hot/probe_final.jsonl", assets / "probe.parquet", DPO_KEYS)
+    assert all(r["margin"] == 0.0 and r["correct"] == 0.5 for r in step0)   # policy == reference at step 0
+    assert np.mean([r["correct"] for r in final]) > 0.8
+    ref = read_parquet(assets / "ref.parquet").to_pandas().query("split == 'probe'")
+    np.testing.assert_array_equal([r["ref_chosen_logp"] for r in final], ref.ref_chosen_logp)
+    info = json.loads((assets / "hot/run_info.json").read_text())
+    assert info["world_size"] == 2 and info["backend"] == "gloo" and len(info["per_rank"]) == 2
+    assert info["total_tokens"] == sum(r["tokens"] for r in info["per_rank"]) == pd.read_csv(
+        assets / "hot/train_log.csv").tokens.sum()
+    from transformers import AutoModelForCausalLM
+    AutoModelForCausalLM.from_pretrained(assets / "hot/model")
+
+
+@pytest.mark.slow
+def test_rm_under_torchrun_dp2_equals_dp1_and_fsdp2_and_learns(assets):
+    params = write_params(assets / "p.yaml", train={"lr": 1e-3})
+    fsdp = write_params(assets / "fsdp.yaml", train={"lr": 1e-3, "parallel": "fsdp2"})
+    for n, p, name in ((1, params, "dp1"), (2, params, "dp2"), (2, fsdp, "fsdp2")):
+        torchrun(n, "stages.train_rm", stage_args(assets, "--out-dir", assets / name, p))
+    assert_same_training(assets / "dp1", assets / "dp2")
+    assert_same_training(assets / "dp1", assets / "fsdp2")
+    step0 = assert_probe_rows(assets / "dp2/probe_step0.jsonl", assets / "probe.parquet", RM_KEYS)
+    final = assert_probe_rows(assets / "dp2/probe_final.jsonl", assets / "probe.parquet", RM_KEYS)
+    assert np.mean([r["correct"] for r in final]) > np.mean([r["correct"] for r in step0]) + 0.2
