@@ -42,7 +42,7 @@ def test_every_rule_logs_and_gpu_rules_launch_torchrun():
     dvc = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
     assert [j["name"] for j in jobs] == list(dvc)
     for job in jobs:
-        assert "--log logs/" in job["cmd"], f"{job['name']} has no log"
+        assert " --log logs/" in job["cmd"], f"{job['name']} has no log"
     rules_text = "".join(p.read_text() for p in (REPO_ROOT / "workflow" / "rules").glob("*.smk"))
     for block in rules_text.split("\nrule ")[1:]:
         name = block.split(":", 1)[0]

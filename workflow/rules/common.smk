@@ -5,7 +5,7 @@ LOGS = "logs"
 
 # Final artifacts requested by `rule all`; extended as stages land.
 FINAL_TARGETS = [
-    f"{RESULTS}/tokens/probe_token_manifest.json",
+    f"{RESULTS}/report/evidence.tar.gz",
 ]
 
 

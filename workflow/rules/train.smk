@@ -34,8 +34,9 @@ rule ref_logps:
     benchmark:
         f"{LOGS}/benchmarks/ref_logps.tsv"
     shell:
-        # --standalone: a private rendezvous on a free local port, so concurrent torchrun jobs never collide.
-        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.ref_logps --params params.yaml"
+        # --standalone: a private rendezvous on a free local port, so concurrent torchrun jobs never collide;
+        # `--` keeps torchrun from reading our flags (`--log` is an ambiguous prefix of its --log-dir).
+        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.ref_logps -- --params params.yaml"
         " --identity {input.identity}"
         " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out {output.ref_logps} --log {log}"
@@ -69,7 +70,7 @@ rule train_dpo:
     benchmark:
         f"{LOGS}/benchmarks/train_dpo.tsv"
     shell:
-        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_dpo --params params.yaml"
+        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_dpo -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --log {log}"
 
@@ -100,6 +101,6 @@ rule train_rm:
     benchmark:
         f"{LOGS}/benchmarks/train_rm.tsv"
     shell:
-        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_rm --params params.yaml"
+        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_rm -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --log {log}"
