@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -49,10 +50,14 @@ def main(argv: list[str] | None = None) -> None:
             reference = wrap_model(reference, reference.lm, settings, env)
         splits = []
         for split, pairs in (("train", train_pairs), ("probe", probe_pairs)):
+            t0 = time.perf_counter()
             logps = run_inference(reference, pairs, env, settings.micro_batch_tokens, desc=f"ref_logps {split}")
+            seconds = time.perf_counter() - t0      # run_inference ends with a host read: the GPU is done
             splits.append((split, pairs, logps))
             if env.is_main:
-                log.info("%s: %d pairs, %d completion tokens", split, len(pairs), pairs.completion_tokens)
+                tokens = int(pairs.pair_tokens.sum())
+                log.info("%s: %d pairs, %d completion tokens; pass %.3f s, %d tokens, %.0f tokens/s", split,
+                         len(pairs), pairs.completion_tokens, seconds, tokens, tokens / max(seconds, 1e-9))
         if env.is_main:
             write_parquet(Path(args.out), ref_logps_table(splits))
             log.info("wrote %s", args.out)
