@@ -14,6 +14,8 @@ from stages.lib.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewar
                                  load_reward_model)
 from stages.lib.packing import build_packed_batch, load_token_pairs, pack_micro_batches
 
+torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
+
 
 def batch_inputs(batch):
     return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,

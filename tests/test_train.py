@@ -27,6 +27,7 @@ from stages.lib.packing import load_token_pairs, plan_training
 from stages.lib.trainer import TrainConfigError, TrainSettings, lr_factor
 
 REPO = Path(__file__).resolve().parents[1]
+torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
 
 
 # ----------------------------------------------------------------------------------------------

@@ -40,6 +40,9 @@ except Exception:  # noqa: BLE001
     _torch_varlen_attn = None
 
 
+USED_BACKENDS: set[str] = set()   # which attention kernels actually ran in this process (run_info)
+
+
 class ModelLoadError(ValueError):
     """The model directory is not what the stage needs (wrong head, missing weights)."""
 
@@ -76,7 +79,13 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         raise RuntimeError(f"packed attention expects batch size 1 (one packed row), got {query.shape[0]}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))   # [T, H, D]
     n_rep = q.shape[1] // k.shape[1]
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):
+        # Under autocast q/k come out of the fp32 rotary embedding as fp32 while v is bf16: run the
+        # kernel in the autocast dtype, as autocast itself would for SDPA.
+        dtype = torch.get_autocast_dtype("cuda")
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     backend = attention_backend(q.device, q.dtype)
+    USED_BACKENDS.add(backend)
 
     if backend == "flash_attn":
         out = _flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 from stages.lib.io import write_json, write_jsonl, write_text
-from stages.lib.modeling import attention_backend, base_model
+from stages.lib.modeling import USED_BACKENDS, attention_backend
 from stages.lib.packing import (MicroBatch, PackedBatch, StepPlan, TokenPairs, build_packed_batch, plan_inference,
                                 plan_training)
 
@@ -489,7 +489,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         "device": env.device.type,
         "gpu_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
         "parallel": settings.parallel,
-        "attention": attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32),
+        "attention": sorted(USED_BACKENDS),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
         "model_parameters": n_params,
         "train_pairs": len(train_pairs),
