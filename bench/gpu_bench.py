@@ -214,9 +214,13 @@ def main(argv=None) -> None:
     w = result["workload"]["train"]
     peak = (peak_tflops or float("nan")) * 1e12
     rows = []
+    def save_partial() -> None:   # a run cut short by its time limit still leaves what it measured
+        out_json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+
     if "ours" in args.modes:
         ours = run_ours(work, model_dir, params, logs)
         result["ours"] = ours
+        save_partial()
         ref_s = ours["ref_logps"].get("train_seconds", ours["ref_logps"]["wall_s"])
         dpo_s = ref_s + ours["train_dpo"]["train_seconds"]
         rm_s = ours["train_rm"]["train_seconds"]
@@ -230,6 +234,7 @@ def main(argv=None) -> None:
         for mode in ("dpo_tuned", "rm_tuned"):
             t = run_trl(mode, args.pairs, shared, args.trl_site, logs)
             result[f"trl_{mode}"] = t
+            save_partial()
             rows.append({"mode": f"trl_{mode}", "seconds": t["train_s"], "tokens": t["counted_tokens"],
                          "tokens_per_s": t["tokens_per_s"], "pairs_per_s": t["pairs_per_s"], "mfu": None,
                          "peak_mem_gib": t["peak_mem_gib"]})

@@ -65,12 +65,21 @@ def test_snakemake_and_dvc_run_one_dag(tmp_path):
     assert dvc_changed_stages(repo) == set()
     out = sh("dvc", "repro", cwd=repo)
     assert "Running stage" not in out, out
+
     assert "Nothing to be done" in sh("snakemake", "-n", "--cores", "2", cwd=repo)
     commit(repo, "first run")
 
-    # A probe.seed change reruns freeze_probe and what depends on it, and nothing upstream.
+    bundle = (repo / "results/report/evidence.tar.gz").read_bytes()
+    # An unchanged rerun of the report gives a byte-identical evidence bundle.
+    sh("dvc", "repro", "--force", "--single-item", "report", cwd=repo)
+    assert (repo / "results/report/evidence.tar.gz").read_bytes() == bundle
+    assert dvc_changed_stages(repo) == set()
+
+    # A probe.seed change (and a training knob) reruns freeze_probe and what depends on it, and
+    # nothing upstream of it.
     params = (repo / "params.yaml").read_text()
-    (repo / "params.yaml").write_text(params.replace("seed: 20261202", "seed: 20261203", 1))
+    params = params.replace("seed: 20261202", "seed: 20261203", 1).replace("beta: 0.1", "beta: 0.2", 1)
+    (repo / "params.yaml").write_text(params)
     changed = dvc_changed_stages(repo)
     assert "freeze_probe" in changed
     assert not changed & {"normalize", "verify_ref"}
@@ -82,3 +91,12 @@ def test_snakemake_and_dvc_run_one_dag(tmp_path):
     assert dvc_changed_stages(repo) == set()
     out = sh("dvc", "repro", cwd=repo)
     assert "Running stage" not in out, out
+
+    # Between commits: the metrics diff shows numbers, the training curves render.
+    commit(repo, "probe seed and beta changed")
+    diff = json.loads(sh("dvc", "metrics", "diff", "HEAD~1", "--json", cwd=repo).strip().splitlines()[-1])
+    margin = diff["metrics/dpo.json"]["final.mean_margin"]
+    assert isinstance(margin["old"], float) and isinstance(margin["new"], float) and margin["diff"] != 0, diff
+    assert "final.mean_margin" in diff["metrics/rm.json"], diff
+    sh("dvc", "plots", "diff", "HEAD~1", "--out", str(tmp_path / "plots"), cwd=repo)
+    assert (tmp_path / "plots" / "index.html").exists()

@@ -430,11 +430,39 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     metric_names = objective.metric_names
     progress = _progress_bar(len(plans), state.step, env)
     t_train = time.perf_counter()
-    t_step = time.perf_counter()
+    pair_tokens = train_pairs.pair_tokens
+    log_every = max(1, len(plans) // 20)
+    # Log values stay on the device until a flush (every `log_every` steps and at the end): one
+    # device->host read per window instead of one per step, so the host keeps queueing work ahead of
+    # the GPU. Rows are complete once flushed.
+    pending: list[tuple[dict, torch.Tensor]] = []
+    window = {"t": time.perf_counter(), "tokens": 0}
+
+    def flush_log() -> None:
+        if not pending:
+            return
+        values = torch.stack([v for _, v in pending]).tolist()
+        now = time.perf_counter()
+        tok_s = round(window["tokens"] / max(now - window["t"], 1e-9), 1)
+        for (row, _), vals in zip(pending, values):
+            pairs = row["pairs"]
+            row.update({name: vals[i] / pairs for i, name in enumerate(metric_names)})
+            row.update({"grad_norm": vals[-1], "tokens_per_s": tok_s})
+            state.log_rows.append({k: row[k] for k in ["step", "epoch", *metric_names, "lr", "grad_norm", "pairs",
+                                                       "tokens", "tokens_per_s"]})
+        last = state.log_rows[-1]
+        progress.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", refresh=False)
+        if env.is_main:
+            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g tok/s %.0f",
+                     last["step"], len(plans), last["epoch"], last["loss"], last["accuracy"], last["margin"],
+                     last["lr"], last["grad_norm"], last["tokens_per_s"])
+        pending.clear()
+        window.update(t=now, tokens=0)
+
     for plan in plans[state.step:]:
         mine = plan.rank_micro_batches[env.rank]
         n_micro, global_pairs, global_tokens = control_exchange(
-            env, len(mine), sum(map(len, mine)), int(sum(train_pairs.pair_tokens[mb].sum() for mb in mine)))
+            env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
         scale = env.world_size / global_pairs
         lr = scheduler.get_last_lr()[0]
         sums = torch.zeros(len(metric_names), dtype=torch.float64, device=env.device)
@@ -454,24 +482,17 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
 
-        # One reduction and one device->host read per optimizer step, for the log row only.
         dist.all_reduce(sums)
-        values = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)]).tolist()
-        now = time.perf_counter()
         state.step += 1
         state.tokens += global_tokens
-        row = {"step": state.step, "epoch": round(plan.epoch_progress, 6)}
-        row.update({name: values[i] / global_pairs for i, name in enumerate(metric_names)})
-        row.update({"lr": lr, "grad_norm": values[-1], "pairs": global_pairs, "tokens": global_tokens,
-                    "tokens_per_s": round(global_tokens / max(now - t_step, 1e-9), 1)})
-        t_step = now
-        state.log_rows.append(row)
+        window["tokens"] += global_tokens
+        pending.append(({"step": state.step, "epoch": round(plan.epoch_progress, 6), "lr": lr,
+                         "pairs": global_pairs, "tokens": global_tokens},
+                        torch.cat([sums, grad_norm.detach().reshape(1).to(sums)])))
         progress.update(1)
-        progress.set_postfix(loss=f"{row['loss']:.4f}", acc=f"{row['accuracy']:.3f}", refresh=False)
-        if env.is_main and (state.step == len(plans) or state.step % max(1, len(plans) // 20) == 0):
-            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g tok/s %.0f",
-                     state.step, len(plans), row["epoch"], row["loss"], row["accuracy"], row["margin"], lr,
-                     row["grad_norm"], row["tokens_per_s"])
+        if state.step == len(plans) or state.step % log_every == 0:
+            flush_log()
+    flush_log()
     progress.close()
     train_seconds = time.perf_counter() - t_train
 
