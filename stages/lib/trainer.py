@@ -615,7 +615,8 @@ def add_common_args(parser) -> None:
 
 def add_checkpoint_args(parser) -> None:
     parser.add_argument("--checkpoint-dir", help="periodic checkpoints (train.save_every) go here and --resume auto "
-                        "looks here; keep it outside the stage's declared outputs (e.g. checkpoints/train_dpo)")
+                        "looks here; keep it outside the stage's declared outputs (e.g. checkpoints/train_dpo). "
+                        "Default: none, or the parent of an explicit --resume PATH")
     parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
                         help="auto (default): the newest complete checkpoint of this exact run in --checkpoint-dir, "
                         "if any; never: start fresh; PATH: that checkpoint, refused unless it matches this run")
@@ -625,6 +626,8 @@ def checkpoint_options(args, env: DistEnv) -> CheckpointOptions:
     """Call after resolve_model_dir (the identity is verified first). The reference digest is only
     computed on rank 0, which owns the run header."""
     directory = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if directory is None and args.resume not in ("auto", "never"):
+        directory = Path(args.resume).parent       # an explicit resume keeps saving beside its checkpoint
     needed = env.is_main and (directory is not None or args.resume not in ("auto", "never"))
     reference = reference_of(identity_path=args.identity, model_dir=args.model_dir) if needed else None
     return CheckpointOptions(directory=directory, resume=args.resume, reference=reference)
