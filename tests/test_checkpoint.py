@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -279,33 +280,65 @@ def launch(nproc: int, module: str, args: list[str], hook: str | None = None) ->
     env.pop(TEST_HOOK_ENV, None)
     if hook:
         env[TEST_HOOK_ENV] = hook
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=err, text=True,
                             start_new_session=True)
+    proc.err = err
+    return proc
+
+
+def stderr_of(proc: subprocess.Popen) -> str:
+    proc.err.seek(0)
+    return proc.err.read()
+
+
+def descendants(pid: int) -> list[int]:
+    out = []
+    for children in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            kids = [int(k) for k in children.read_text().split()]
+        except OSError:
+            continue
+        for kid in kids:
+            out += [kid, *descendants(kid)]
+    return out
+
+
+def kill_run(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every worker, as a preemption would. By pid: torchrun starts each worker
+    in a session of its own, so killing the launcher's process group alone would orphan them."""
+    for pid in [*descendants(proc.pid), proc.pid]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def finish(proc: subprocess.Popen, timeout: int = 240) -> str:
     try:
-        _, err = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        _, err = proc.communicate()
-        pytest.fail(f"torchrun timed out:\n{err[-4000:]}")
+        kill_run(proc)
+        proc.wait()
+        pytest.fail(f"torchrun timed out:\n{stderr_of(proc)[-4000:]}")
+    err = stderr_of(proc)
     assert proc.returncode == 0, err[-4000:]
     return err
 
 
 def kill_when(proc: subprocess.Popen, ready, timeout: int = 240) -> None:
-    """SIGKILL the whole torchrun process group (launcher and workers) once `ready()` holds."""
+    """SIGKILL torchrun and all its workers at once when `ready()` holds (stderr goes to a file, so a
+    chatty run never blocks on a full pipe while we poll)."""
     deadline = time.monotonic() + timeout
     while not ready():
         if proc.poll() is not None:
-            pytest.fail(f"run ended (rc {proc.returncode}) before the kill point:\n{proc.stderr.read()[-4000:]}")
+            pytest.fail(f"run ended (rc {proc.returncode}) before the kill point:\n{stderr_of(proc)[-4000:]}")
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_run(proc)
             pytest.fail("kill point never reached")
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.communicate()
+    kill_run(proc)
+    proc.wait()
     assert proc.returncode == -signal.SIGKILL
 
 
