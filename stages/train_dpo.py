@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m stages.train_dpo --params params.yaml --identity results/ref/ref_identity.json \\
         --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
-        --ref-logps results/ref_logps/ref_logps.parquet --out-dir results/train_dpo --log logs/train_dpo.log
+        --ref-logps results/ref_logps/ref_logps.parquet --out-dir results/train_dpo \\
+        --checkpoint-dir checkpoints/train_dpo [--resume auto|never|PATH] --log logs/train_dpo.log
 
 The policy starts from the verified reference directory; the reference model itself is never loaded
 (its log-probs come from the ref_logps stage). dpo.objective: dpo_ref_free never reads --ref-logps.

@@ -2,7 +2,8 @@
 
     torchrun --nproc-per-node N -m stages.train_rm --params params.yaml --identity results/ref/ref_identity.json \\
         --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
-        --out-dir results/train_rm --log logs/train_rm.log
+        --out-dir results/train_rm \\
+        --checkpoint-dir checkpoints/train_rm [--resume auto|never|PATH] --log logs/train_rm.log
 
 The body starts from the verified reference directory, the scalar `score` head from the seeded RNG.
 Writes OUT_DIR/{model/ (AutoModelForSequenceClassification, num_labels=1), train_log.csv, run_info.json,
