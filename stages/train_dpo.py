@@ -15,8 +15,9 @@ import argparse
 from stages.lib.io import read_parquet
 from stages.lib.objectives import DPOObjective, ref_logps_for
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_common_args, init_distributed, load_stage_tokens,
-                                resolve_model_dir, shutdown_distributed, stage_logging, train)
+from stages.lib.trainer import (TrainSettings, add_checkpoint_args, add_common_args, checkpoint_options,
+                                init_distributed, load_stage_tokens, resolve_model_dir, shutdown_distributed,
+                                stage_logging, train)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -24,6 +25,7 @@ def main(argv: list[str] | None = None) -> dict:
     add_common_args(parser)
     parser.add_argument("--ref-logps", help="ref_logps.parquet (required for dpo.objective: dpo)")
     parser.add_argument("--out-dir", required=True)
+    add_checkpoint_args(parser)
     args = parser.parse_args(argv)
 
     params = load_params(args.params)
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.ref_logps:
             log.info("dpo_ref_free: --ref-logps %s is not read", args.ref_logps)
         return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
-                     probe_pairs=probe_pairs, out_dir=args.out_dir)
+                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env))
     finally:
         shutdown_distributed()
 

@@ -14,14 +14,16 @@ import argparse
 
 from stages.lib.objectives import RewardObjective
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_common_args, init_distributed, load_stage_tokens,
-                                resolve_model_dir, shutdown_distributed, stage_logging, train)
+from stages.lib.trainer import (TrainSettings, add_checkpoint_args, add_common_args, checkpoint_options,
+                                init_distributed, load_stage_tokens, resolve_model_dir, shutdown_distributed,
+                                stage_logging, train)
 
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m stages.train_rm", description=__doc__.split("\n")[0])
     add_common_args(parser)
     parser.add_argument("--out-dir", required=True)
+    add_checkpoint_args(parser)
     args = parser.parse_args(argv)
 
     params = load_params(args.params)
@@ -33,7 +35,7 @@ def main(argv: list[str] | None = None) -> dict:
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         objective = RewardObjective(params["rm"], train_pairs.margins, source=str(args.train_tokens))
         return train(objective, settings, env, model_dir=model_dir, train_pairs=train_pairs,
-                     probe_pairs=probe_pairs, out_dir=args.out_dir)
+                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env))
     finally:
         shutdown_distributed()
 

@@ -23,6 +23,7 @@ import pyarrow.compute as pac
 import torch
 import torch.nn.functional as F
 
+from stages.lib.io import sha256_bytes, sha256_json
 from stages.lib.modeling import SequenceLogProbs, SequenceRewards, load_causal_lm, load_reward_model
 from stages.lib.packing import PackedBatch, TokenPairs
 
@@ -111,6 +112,7 @@ class DPOObjective:
 
     metric_names = ("loss", "accuracy", "ties", "margin", "chosen_reward", "rejected_reward")
     head = "lm_head"
+    role = "policy"
 
     def __init__(self, dpo_params: dict, ref_logps: dict[str, np.ndarray] | None = None):
         self.name = dpo_params["objective"]
@@ -123,6 +125,15 @@ class DPOObjective:
             ref_logps = None      # reference-free never reads them
         self.ref_cpu = ref_logps
         self.ref_device: dict[str, torch.Tensor] = {}
+
+    def fingerprint(self) -> dict:
+        """What changes this objective's trajectory (checkpoints of another setting are not resumed)."""
+        ref = None
+        if self.ref_cpu is not None:
+            ref = sha256_json({k: sha256_bytes(np.ascontiguousarray(v, dtype=np.float64).tobytes())
+                               for k, v in sorted(self.ref_cpu.items())})
+        return {"objective": self.name, "beta": self.beta, "loss": self.loss_type,
+                "label_smoothing": self.label_smoothing, "ref_logps_digest": ref}
 
     def build_module(self, model_dir, train_settings) -> SequenceLogProbs:
         return SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=train_settings.logp_chunk_tokens,
@@ -175,6 +186,7 @@ class RewardObjective:
 
     metric_names = ("loss", "accuracy", "ties", "margin", "chosen_score", "rejected_score")
     head = "score"
+    role = "reward_model"
     name = "reward_model"
 
     def __init__(self, rm_params: dict, train_margins: np.ndarray | None = None, source: str = "train tokens"):
@@ -187,6 +199,9 @@ class RewardObjective:
                                  "for some pairs")
             self.margins_cpu = train_margins
         self.margins_device: torch.Tensor | None = None
+
+    def fingerprint(self) -> dict:
+        return {"objective": self.name, "center_rewards_coefficient": self.center, "use_margin": self.use_margin}
 
     def build_module(self, model_dir, train_settings) -> SequenceRewards:
         return SequenceRewards(load_reward_model(model_dir))

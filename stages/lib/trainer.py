@@ -17,9 +17,13 @@ One optimizer step, on every rank:
 Probe evaluation (step 0 and final) runs every probe pair exactly once, spread over ranks, and
 rank 0 writes the rows in manifest order.
 
-Seams for later work: `TrainState.step` + the deterministic `plan_training` make resuming a
-matter of restoring state and starting the loop at `state.step` (checkpoint issue);
-`build_optimizer`/`wrap_model`/`SequenceLogProbs(compile_chunks=...)` are where speed work plugs in.
+Checkpoints (checkpoint.py): every `train.save_every` optimizer steps the log rows are flushed and
+model, optimizer, scheduler, RNG (per rank), step, tokens and log rows are saved atomically. A
+resumed run restores them and, the plan being a pure function of (lengths, seed, world size),
+simply starts the loop and the batch prefetcher at `plans[state.step]`: same batches, same RNG, so
+the same weights bit for bit on CPU.
+
+Seams for later work: `build_optimizer`/`wrap_model`/`SequenceLogProbs(compile_chunks=...)` are where speed work plugs in.
 """
 from __future__ import annotations
 
@@ -45,6 +49,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint,
+                                   reference_of, run_header, save_checkpoint)
 from stages.lib.io import write_json, write_jsonl, write_text
 from stages.lib.modeling import USED_BACKENDS, attention_backend
 from stages.lib.packing import (MicroBatch, PackedBatch, StepPlan, TokenPairs, build_packed_batch, plan_inference,
@@ -85,7 +91,8 @@ class TrainSettings:
     temperature: float = 1.0           # must be exactly 1
     compile: bool = False              # torch.compile the log-prob chunk function
     activation_checkpointing: bool = False
-    save_every: int = 0                # checkpoint cadence (checkpoint issue)
+    save_every: int = 0                # checkpoint every N optimizer steps (and after the last); 0 = never
+    keep_checkpoints: int = 2          # complete checkpoints of a run kept on disk (the newest ones)
 
     def __post_init__(self):
         if self.temperature != 1.0:
@@ -95,6 +102,9 @@ class TrainSettings:
             raise TrainConfigError(f"train.parallel = {self.parallel!r}: expected ddp or fsdp2")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise TrainConfigError(f"train.schedule = {self.schedule!r}: expected cosine, linear or constant")
+        if self.save_every < 0 or self.keep_checkpoints < 1:
+            raise TrainConfigError(f"train.save_every = {self.save_every} (>= 0) / train.keep_checkpoints = "
+                                   f"{self.keep_checkpoints} (>= 1) out of range")
 
     @classmethod
     def from_params(cls, params: dict) -> "TrainSettings":
@@ -351,11 +361,33 @@ def write_train_log(path: Path, rows: list[dict]) -> None:
     write_text(path, buf.getvalue())
 
 
+class ExportError(ValueError):
+    """The model to export does not carry the head its objective trained."""
+
+
+def check_export_head(hf: nn.Module, head: str) -> None:
+    """A reward model exports only as a sequence-classification model with its scalar `score` head (a
+    causal-LM export would silently drop the head); a policy only as a causal LM with its LM head."""
+    cls = type(hf).__name__
+    if head == "score":
+        score = getattr(hf, "score", None)
+        if not cls.endswith("ForSequenceClassification") or not isinstance(score, nn.Linear) or score.out_features != 1:
+            raise ExportError(f"refusing to export a reward model as {cls}: only a sequence-classification model "
+                              "with a scalar `score` head (num_labels=1) keeps the trained head")
+    elif head == "lm_head":
+        if cls.endswith(("ForSequenceClassification", "ForTokenClassification")) or hf.get_output_embeddings() is None:
+            raise ExportError(f"refusing to export a policy as {cls}: a DPO policy exports as a causal LM with its "
+                              "LM head")
+    else:
+        raise ExportError(f"refusing to export: unknown head kind {head!r}")
+
+
 def export_model(model: nn.Module, module: nn.Module, objective, settings: TrainSettings, env: DistEnv,
                  src_dir: Path, out_dir: Path) -> None:
     """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM).
     Tokenizer files are copied from the source directory so the export is usable on its own."""
     hf = objective.hf_model(module)
+    check_export_head(hf, objective.head)
     state = None
     if settings.parallel == "fsdp2":   # collective: every rank takes part
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -387,10 +419,15 @@ def peak_memory_bytes(env: DistEnv) -> int:
 
 
 def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
-          probe_pairs: TokenPairs, out_dir: Path) -> dict:
-    """Train, evaluate the probe at step 0 and at the end, export; returns run_info (rank 0 writes files)."""
+          probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None) -> dict:
+    """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
+    export; returns run_info (rank 0 writes files)."""
     t_start = time.perf_counter()
     out_dir = Path(out_dir)
+    ckpt = checkpoint or CheckpointOptions(directory=None, resume="never")
+    if settings.save_every and ckpt.directory is None:
+        raise TrainConfigError(f"train.save_every = {settings.save_every} needs a checkpoint directory "
+                               "(--checkpoint-dir, outside the stage's declared outputs)")
     if env.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
 
@@ -410,6 +447,22 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
                           micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
     scheduler = build_scheduler(optimizer, settings, len(plans))
     state = TrainState()
+    header = None
+    if ckpt.directory is not None or ckpt.resume not in ("auto", "never"):
+        # Rank 0's header (the reference digest is computed there only); every rank names files by it.
+        box = [run_header(objective, settings, env, hf, train_pairs, probe_pairs, ckpt.reference)
+               if env.is_main else None]
+        if env.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=env.control_group)
+        header = box[0]
+    resumed = agree_on_checkpoint(ckpt, header, env) if header is not None else None
+    step0_rows = None
+    if resumed is not None:
+        resume_path, resume_meta = resumed
+        saved, step0_rows = load_checkpoint(resume_path, resume_meta, module=module, optimizer=optimizer,
+                                            scheduler=scheduler, settings=settings, env=env)
+        state = TrainState(step=saved["step"], tokens=saved["tokens"], log_rows=saved["log_rows"])
+        log.info("resuming from %s: %d of %d optimizer steps done", resume_path, state.step, len(plans))
     n_params = sum(p.numel() for p in module.parameters())
     log.info("objective %s: %d train pairs, %d probe pairs, %d optimizer steps, world %d (%s, %s), %.2fM params, "
              "attention %s", objective.name, len(train_pairs), len(probe_pairs), len(plans), env.world_size,
@@ -417,15 +470,19 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
              attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32))
 
     # -- step-0 probe ----------------------------------------------------------------------------
-    def evaluate_probe(name: str) -> None:
+    def evaluate_probe(name: str) -> list[dict] | None:
         outputs = run_inference(model, probe_pairs, env, settings.micro_batch_tokens, desc=f"probe {name}")
-        if env.is_main:
-            rows = objective.probe_rows(probe_pairs, outputs)
-            write_jsonl(out_dir / f"probe_{name}.jsonl", rows)
-            log.info("probe %s: accuracy %.4f over %d pairs", name,
-                     float(np.mean([r["correct"] for r in rows])), len(rows))
+        if not env.is_main:
+            return None
+        rows = objective.probe_rows(probe_pairs, outputs)
+        write_jsonl(out_dir / f"probe_{name}.jsonl", rows)
+        log.info("probe %s: accuracy %.4f over %d pairs", name, float(np.mean([r["correct"] for r in rows])), len(rows))
+        return rows
 
-    evaluate_probe("step0")
+    if resumed is None:
+        step0_rows = evaluate_probe("step0")
+    elif env.is_main:   # the step-0 model is gone; its probe rows were saved with the checkpoint
+        write_jsonl(out_dir / "probe_step0.jsonl", step0_rows)
 
     # -- the loop ----------------------------------------------------------------------------------
     model.train()
@@ -442,6 +499,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     # the GPU. Rows are complete once flushed.
     pending: list[tuple[dict, torch.Tensor]] = []
     window = {"t": time.perf_counter(), "tokens": 0}
+    saved_checkpoints: list[int] = []
 
     def flush_log() -> None:
         if not pending:
@@ -497,6 +555,13 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         progress.update(1)
         if state.step == len(plans) or state.step % log_every == 0:
             flush_log()
+        if settings.save_every and (state.step % settings.save_every == 0 or state.step == len(plans)):
+            flush_log()                # the saved log rows must reach exactly this step
+            save_checkpoint(ckpt.directory, header=header, step=state.step, total_steps=len(plans),
+                            trainer_state={"step": state.step, "tokens": state.tokens, "log_rows": state.log_rows},
+                            probe_step0_rows=step0_rows, module=module, optimizer=optimizer, scheduler=scheduler,
+                            settings=settings, env=env, keep=settings.keep_checkpoints)
+            saved_checkpoints.append(state.step)
     flush_log()
     progress.close()
     train_seconds = time.perf_counter() - t_train
@@ -521,6 +586,8 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         "train_pairs": len(train_pairs),
         "probe_pairs": len(probe_pairs),
         "optimizer_steps": len(plans),
+        "resumed_from_step": resumed[1]["step"] if resumed is not None else None,
+        "checkpoints_saved": saved_checkpoints,
         "per_rank": plan_summary(plans, train_pairs, env.world_size),
         "total_tokens": state.tokens,
         "train_seconds": round(train_seconds, 3),
@@ -549,6 +616,26 @@ def add_common_args(parser) -> None:
     parser.add_argument("--train-tokens", required=True, help="train_tokens.parquet")
     parser.add_argument("--probe-tokens", required=True, help="probe_tokens.parquet (manifest order)")
     parser.add_argument("--log", help="log file (rank 0)")
+
+
+def add_checkpoint_args(parser) -> None:
+    parser.add_argument("--checkpoint-dir", help="periodic checkpoints (train.save_every) go here and --resume auto "
+                        "looks here; keep it outside the stage's declared outputs (e.g. checkpoints/train_dpo). "
+                        "Default: none, or the parent of an explicit --resume PATH")
+    parser.add_argument("--resume", default="auto", metavar="auto|never|PATH",
+                        help="auto (default): the newest complete checkpoint of this exact run in --checkpoint-dir, "
+                        "if any; never: start fresh; PATH: that checkpoint, refused unless it matches this run")
+
+
+def checkpoint_options(args, env: DistEnv) -> CheckpointOptions:
+    """Call after resolve_model_dir (the identity is verified first). The reference digest is only
+    computed on rank 0, which owns the run header."""
+    directory = Path(args.checkpoint_dir) if args.checkpoint_dir else None
+    if directory is None and args.resume not in ("auto", "never"):
+        directory = Path(args.resume).parent       # an explicit resume keeps saving beside its checkpoint
+    needed = env.is_main and (directory is not None or args.resume not in ("auto", "never"))
+    reference = reference_of(identity_path=args.identity, model_dir=args.model_dir) if needed else None
+    return CheckpointOptions(directory=directory, resume=args.resume, reference=reference)
 
 
 def resolve_model_dir(args) -> Path:

@@ -1,11 +1,16 @@
 # Training stages, launched by torchrun: one process per GPU (nccl), or train.cpu_procs processes
 # on CPU (gloo) when train.gpus is 0. The reference is read only through its verified identity.
+# Checkpoints (train.save_every) go to checkpoints/<stage>/, NOT a declared output: Snakemake and DVC
+# delete outputs before rerunning a rule, and a rerun after a crash must find them (--resume auto
+# resumes only a checkpoint of this exact run: same params, data, reference, world size). A completed
+# run leaves its last checkpoints there (train.keep_checkpoints of them); delete the folder to reclaim disk.
 
 import os
 
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
-ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/trainer.py", py("verify_ref"), *LIB]
+ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/objectives.py", "stages/lib/trainer.py",
+          "stages/lib/checkpoint.py", py("verify_ref"), *LIB]
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
 USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
@@ -72,7 +77,7 @@ rule train_dpo:
     shell:
         "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_dpo -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --log {log}"
+        " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo --log {log}"
 
 
 rule train_rm:
@@ -103,4 +108,4 @@ rule train_rm:
     shell:
         "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_rm -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " --out-dir {params.cli_out_dir} --log {log}"
+        " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm --log {log}"

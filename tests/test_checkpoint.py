@@ -1,0 +1,370 @@
+"""Checkpoints, resume and fault tolerance: atomic saves, exact resume after a real SIGKILL (torchrun,
+DP=1 and DP=2, also mid-save), every refusal, and the reward-model export round trip."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+
+from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
+from stages.lib.checkpoint import META, TEST_HOOK_ENV, CheckpointError, list_checkpoints
+from stages.lib.io import read_json, read_jsonl
+from test_train import REPO, assets, stage_args, write_params  # noqa: F401 - `assets` is a fixture
+
+torch.set_num_threads(1)
+
+# 64 train pairs, 16 per step, 2 epochs: 8 optimizer steps; checkpoints after steps 2, 4, 6, 8.
+SAVE_EVERY = 2
+LOG_COLUMNS = ["step", "epoch", "loss", "accuracy", "ties", "margin", "lr", "grad_norm", "pairs", "tokens"]
+
+
+def ckpt_args(a: Path, out: str, params: Path, ckpt: Path | str | None = None, resume: str | None = None,
+              extra: list[str] | None = None) -> list[str]:
+    args = stage_args(a, "--out-dir", a / out, params) + (extra or [])
+    if ckpt is not None:
+        args += ["--checkpoint-dir", str(ckpt)]
+    if resume is not None:
+        args += ["--resume", str(resume)]
+    return args
+
+
+def checkpoint_at(directory: Path, step: int) -> Path:
+    found = [p for s, p, _ in list_checkpoints(directory)[0] if s == step]
+    assert len(found) == 1, (step, sorted(os.listdir(directory)))
+    return found[0]
+
+
+def assert_identical_runs(a: Path, b: Path) -> None:
+    """Bitwise: weights, every per-step log value (not the timing column), both probe files."""
+    la, lb = pd.read_csv(a / "train_log.csv"), pd.read_csv(b / "train_log.csv")
+    assert list(la.columns) == list(lb.columns)
+    assert la.step.tolist() == lb.step.tolist() == list(range(1, len(la) + 1))     # no duplicates, no gaps
+    pd.testing.assert_frame_equal(la[[c for c in LOG_COLUMNS if c in la]], lb[[c for c in LOG_COLUMNS if c in lb]],
+                                  check_exact=True)
+    for f in ("model/model.safetensors", "probe_step0.jsonl", "probe_final.jsonl"):
+        assert (a / f).read_bytes() == (b / f).read_bytes(), f
+
+
+# ----------------------------------------------------------------------------------------------
+# In-process (one-process group): saving, exact resume, refusals
+# ----------------------------------------------------------------------------------------------
+
+def test_checkpoints_are_complete_self_describing_and_pruned(assets):
+    from stages import train_rm
+    params = write_params(assets / "p.yaml", train={"save_every": 3})
+    info = train_rm.main(ckpt_args(assets, "rm", params, assets / "ck"))
+    assert info["checkpoints_saved"] == [3, 6, 8] and info["resumed_from_step"] is None   # the last step too
+    complete, incomplete = list_checkpoints(assets / "ck")
+    assert [s for s, _, _ in complete] == [8, 6] and incomplete == []       # train.keep_checkpoints = 2
+    step, path, meta = complete[0]
+    assert (meta["objective"], meta["role"], meta["head"]) == ("reward_model", "reward_model", "score")
+    assert meta["model_class"] == "Qwen2ForSequenceClassification" and meta["world_size"] == 1
+    assert meta["format_version"] == 1 and meta["step"] == 8 and meta["reference"]["kind"] == "model_dir"
+    assert path.name == f"step_00000008-{meta['fingerprint'][:12]}"
+    assert set(meta["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+                                  "probe_step0.jsonl", "rng/rank00000.pt"}
+    state = json.loads((path / "trainer_state.json").read_text())
+    assert [r["step"] for r in state["log_rows"]] == list(range(1, 9))
+    assert state["log_rows"] == pd.read_csv(assets / "rm/train_log.csv").to_dict("records")
+
+
+def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run_bitwise(assets):
+    from stages import train_dpo
+    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY}, dpo={"objective": "dpo_ref_free"})
+    train_dpo.main(ckpt_args(assets, "full", params, assets / "ck"))
+    step6 = checkpoint_at(assets / "ck", 6)
+    info = train_dpo.main(ckpt_args(assets, "resumed", params, assets / "ck2", resume=step6))
+    assert info["resumed_from_step"] == 6 and info["checkpoints_saved"] == [8]
+    assert_identical_runs(assets / "full", assets / "resumed")
+    # auto picks the newest complete checkpoint of this run (step 8): nothing left to train.
+    info = train_dpo.main(ckpt_args(assets, "again", params, assets / "ck"))
+    assert info["resumed_from_step"] == 8 and info["checkpoints_saved"] == []
+    assert_identical_runs(assets / "full", assets / "again")
+
+
+@pytest.fixture
+def trained(assets):
+    """One finished RM run and one reference-free DPO run, each with checkpoints at steps 2 and 4."""
+    from stages import train_dpo, train_rm
+    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY, "epochs": 1},
+                          dpo={"objective": "dpo_ref_free"})
+    train_rm.main(ckpt_args(assets, "rm", params, assets / "ck_rm"))
+    train_dpo.main(ckpt_args(assets, "dpo", params, assets / "ck_dpo"))
+    return assets, params
+
+
+def refused(stage: str, args: list[str], match: str) -> str:
+    import importlib
+    main = importlib.import_module(f"stages.{stage}").main
+    with pytest.raises(CheckpointError, match=match) as e:
+        main(args)
+    assert not dist.is_initialized()
+    return str(e.value)
+
+
+def copy_checkpoint(src: Path, dst: Path, **meta_changes) -> Path:
+    shutil.copytree(src, dst)
+    if meta_changes:
+        meta = read_json(dst / META)
+        meta.update(meta_changes)
+        (dst / META).write_text(json.dumps(meta))
+    return dst
+
+
+def test_objective_role_and_head_mismatches_are_refused_both_ways(trained):
+    a, params = trained
+    rm_ckpt, dpo_ckpt = checkpoint_at(a / "ck_rm", 4), checkpoint_at(a / "ck_dpo", 4)
+    msg = refused("train_dpo", ckpt_args(a, "x", params, a / "ck_x", resume=rm_ckpt), "objective mismatch")
+    assert "checkpoint trains reward_model (role reward_model, head score)" in msg and "dpo_ref_free" in msg
+    msg = refused("train_rm", ckpt_args(a, "x", params, a / "ck_x", resume=dpo_ckpt), "objective mismatch")
+    assert "checkpoint trains dpo_ref_free (role policy, head lm_head)" in msg and "score" in msg
+    critic = copy_checkpoint(rm_ckpt, a / "critic", objective="value_model", role="critic", head="value_head")
+    refused("train_rm", ckpt_args(a, "x", params, resume=critic), r"trains value_model \(role critic, head value_head\)")
+    plain_lm = copy_checkpoint(rm_ckpt, a / "plain", objective="causal_lm", role="policy", head="lm_head")
+    refused("train_rm", ckpt_args(a, "x", params, resume=plain_lm), r"trains causal_lm \(role policy, head lm_head\)")
+    assert not (a / "x" / "probe_step0.jsonl").exists()          # refused before any work
+
+
+def test_partial_corrupted_and_incomplete_checkpoints_are_refused(trained):
+    a, params = trained
+    good = checkpoint_at(a / "ck_rm", 4)
+    no_optim = copy_checkpoint(good, a / "no_optim")
+    (no_optim / "optimizer.pt").unlink()
+    refused("train_rm", ckpt_args(a, "x", params, resume=no_optim), "partial checkpoint: optimizer state optimizer.pt")
+    meta = read_json(good / META)
+    parts = {k: v for k, v in meta["parts"].items() if k != "scheduler"}
+    no_sched = copy_checkpoint(good, a / "no_sched", parts=parts)
+    refused("train_rm", ckpt_args(a, "x", params, resume=no_sched), "partial checkpoint: no scheduler state")
+    no_rng = copy_checkpoint(good, a / "no_rng")
+    (no_rng / "rng/rank00000.pt").unlink()
+    refused("train_rm", ckpt_args(a, "x", params, resume=no_rng), "partial checkpoint: rng state rng/rank00000.pt")
+
+    corrupt = copy_checkpoint(good, a / "corrupt")
+    blob = bytearray((corrupt / "model.pt").read_bytes())
+    blob[len(blob) // 2] ^= 0x01                                     # one flipped bit in the weights
+    (corrupt / "model.pt").write_bytes(bytes(blob))
+    refused("train_rm", ckpt_args(a, "x", params, resume=corrupt), "corrupted checkpoint: model.pt")
+    # ... also under --resume auto: a damaged checkpoint of this very run is refused, never skipped quietly.
+    (a / "ck_auto").mkdir()
+    shutil.copytree(corrupt, a / "ck_auto" / good.name)
+    refused("train_rm", ckpt_args(a, "x", params, a / "ck_auto"), "corrupted checkpoint: model.pt")
+
+    interrupted = copy_checkpoint(good, a / ".tmp-step_00000004-x")
+    refused("train_rm", ckpt_args(a, "x", params, resume=interrupted), "incomplete checkpoint")
+    no_meta = copy_checkpoint(good, a / "no_meta")
+    (no_meta / META).unlink()
+    refused("train_rm", ckpt_args(a, "x", params, resume=no_meta), "incomplete checkpoint")
+
+
+def test_different_data_probe_reference_params_or_world_size_are_refused(trained):
+    a, params = trained
+    good = checkpoint_at(a / "ck_rm", 4)
+    other = a / "other"
+    other.mkdir()
+    rows = toy_task_rows(64, seed=1)
+    rows[5] = toy_task_rows(1, seed=99, prefix="z")[0]
+    write_token_parquet(other / "train.parquet", rows)
+    write_token_parquet(other / "probe.parquet", toy_task_rows(37, seed=3, prefix="q"))
+    make_tiny_model_dir(other / "model", seed=1)                    # same shape, other weights
+
+    base = ckpt_args(a, "x", params, resume=good)
+
+    def swap(flag: str, path: Path) -> list[str]:
+        i = base.index(flag)
+        return base[:i + 1] + [str(path)] + base[i + 2:]
+
+    refused("train_rm", swap("--train-tokens", other / "train.parquet"), r"train data \(train tokens\) differ")
+    refused("train_rm", swap("--probe-tokens", other / "probe.parquet"), r"probe \(probe tokens\) differ")
+    refused("train_rm", swap("--model-dir", other / "model"), "reference differs")
+    hot = write_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
+    refused("train_rm", ckpt_args(a, "x", hot, resume=good), "train settings differ: lr: 0.003 -> 0.01")
+    centered = write_params(a / "c.yaml", train={"save_every": SAVE_EVERY, "epochs": 1},
+                            rm={"center_rewards_coefficient": 0.1})
+    refused("train_rm", ckpt_args(a, "x", centered, resume=good), "objective params differ: center_rewards")
+    wide = copy_checkpoint(good, a / "wide", world_size=2)
+    refused("train_rm", ckpt_args(a, "x", params, resume=wide), "world size 2 != this run's 1")
+
+
+def test_auto_resume_skips_other_runs_checkpoints_with_a_warning(trained):
+    """A rerun with new params must start fresh, not load the old run's state; the old ones stay."""
+    from stages import train_rm
+    a, _ = trained
+    hot = write_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
+    old = sorted(p.name for p in (a / "ck_rm").iterdir())
+    info = train_rm.main(ckpt_args(a, "hot", hot, a / "ck_rm"))
+    assert info["resumed_from_step"] is None and info["checkpoints_saved"] == [2, 4]
+    logged = (a / "hot.log").read_text()
+    assert "not resuming from" in logged and "train settings differ: lr: 0.003 -> 0.01" in logged
+    now = sorted(p.name for p in (a / "ck_rm").iterdir())
+    assert set(old) < set(now) and len(now) == 4                   # the other run's pair is left alone
+    never = train_rm.main(ckpt_args(a, "never", hot, a / "ck_rm", resume="never"))
+    assert never["resumed_from_step"] is None
+
+
+def test_save_every_without_a_checkpoint_dir_is_refused(assets):
+    from stages import train_rm
+    from stages.lib.trainer import TrainConfigError
+    params = write_params(assets / "p.yaml", train={"save_every": 2})
+    with pytest.raises(TrainConfigError, match="needs a checkpoint directory"):
+        train_rm.main(ckpt_args(assets, "x", params))
+    assert not dist.is_initialized()
+
+
+# ----------------------------------------------------------------------------------------------
+# Export: a reward model is a sequence-classification model with its scalar head, never a causal LM
+# ----------------------------------------------------------------------------------------------
+
+def test_rm_export_loads_back_with_identical_scores_and_the_head_guard(assets):
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+    from stages import train_rm
+    from stages.lib.modeling import ModelLoadError, SequenceRewards, load_causal_lm, load_reward_model
+    from stages.lib.packing import load_token_pairs
+    import yaml
+    from stages.lib.trainer import DistEnv, ExportError, TrainSettings, check_export_head, run_inference
+    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    train_rm.main(ckpt_args(assets, "rm", params))
+    final = read_jsonl(assets / "rm/probe_final.jsonl")
+    want = np.array([[r["chosen_score"], r["rejected_score"]] for r in final])
+
+    exported = AutoModelForSequenceClassification.from_pretrained(assets / "rm/model", dtype=torch.float32)
+    assert type(exported).__name__ == "Qwen2ForSequenceClassification" and exported.score.out_features == 1
+    # The trained packed path over the reloaded export: the very same scores, bit for bit.
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
+                      control_group=dist.group.WORLD)
+        probe = load_token_pairs(assets / "probe.parquet")
+        got = run_inference(SequenceRewards(load_reward_model(assets / "rm/model")), probe, env,
+                            TrainSettings.from_params(yaml.safe_load(params.read_text())).micro_batch_tokens)
+    finally:
+        dist.destroy_process_group()
+    np.testing.assert_array_equal(got, want)
+    # HF's own forward (its attention kernel, its last-token pooling) agrees to float precision.
+    with torch.no_grad():
+        for i, k in enumerate(probe.seq_ids[:10]):
+            score = float(exported(input_ids=torch.as_tensor(k)[None]).logits[0, 0])
+            assert score == pytest.approx(want[i // 2, i % 2], abs=1e-5)
+
+    # Never a causal-LM export that drops the head: the guard refuses it, the loader refuses the reverse.
+    lm = AutoModelForCausalLM.from_pretrained(assets / "model")
+    with pytest.raises(ExportError, match="refusing to export a reward model as Qwen2ForCausalLM"):
+        check_export_head(lm, "score")
+    with pytest.raises(ExportError, match="refusing to export a policy as Qwen2ForSequenceClassification"):
+        check_export_head(exported, "lm_head")
+    check_export_head(exported, "score")
+    check_export_head(lm, "lm_head")
+    with pytest.raises(ModelLoadError, match="classification head"):
+        load_causal_lm(assets / "rm/model")
+
+
+# ----------------------------------------------------------------------------------------------
+# Real torchrun: SIGKILL the process group after a checkpoint and during one, resume, compare
+# ----------------------------------------------------------------------------------------------
+
+def launch(nproc: int, module: str, args: list[str], hook: str | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", module, "--", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.pop(TEST_HOOK_ENV, None)
+    if hook:
+        env[TEST_HOOK_ENV] = hook
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish(proc: subprocess.Popen, timeout: int = 240) -> str:
+    try:
+        _, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, err = proc.communicate()
+        pytest.fail(f"torchrun timed out:\n{err[-4000:]}")
+    assert proc.returncode == 0, err[-4000:]
+    return err
+
+
+def kill_when(proc: subprocess.Popen, ready, timeout: int = 240) -> None:
+    """SIGKILL the whole torchrun process group (launcher and workers) once `ready()` holds."""
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if proc.poll() is not None:
+            pytest.fail(f"run ended (rc {proc.returncode}) before the kill point:\n{proc.stderr.read()[-4000:]}")
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            pytest.fail("kill point never reached")
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+
+
+def complete_steps(directory: Path) -> list[int]:
+    return sorted(s for s, _, _ in list_checkpoints(directory)[0])
+
+
+def interrupted_saves(directory: Path) -> list[Path]:
+    return [p for p in directory.glob(".tmp-step_*") if (p / META).is_file()] if directory.is_dir() else []
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_checkpoint_then_resume_equals_uninterrupted_dp1(assets):
+    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY})
+    finish(launch(1, "stages.train_rm", ckpt_args(assets, "full", params, assets / "ck_full")))
+    ck = assets / "ck"
+    proc = launch(1, "stages.train_rm", ckpt_args(assets, "run", params, ck), hook="after_save:4")
+    kill_when(proc, lambda: 4 in complete_steps(ck))
+    assert complete_steps(ck) == [2, 4] and not (assets / "run/probe_final.jsonl").exists()
+    err = finish(launch(1, "stages.train_rm", ckpt_args(assets, "run", params, ck)))
+    assert "resuming from" in err and "4 of 8 optimizer steps done" in err
+    assert read_json(assets / "run/run_info.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "run")
+
+
+@pytest.mark.slow
+def test_sigkill_after_and_during_checkpoint_saves_then_resume_equals_uninterrupted_dp2(assets):
+    from stages import ref_logps, train_dpo
+    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY})
+    ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
+    ref = ["--ref-logps", str(assets / "ref.parquet")]
+    finish(launch(2, "stages.train_dpo", ckpt_args(assets, "full", params, assets / "ck_full", extra=ref)))
+
+    ck = assets / "ck"
+    run = ckpt_args(assets, "run", params, ck, extra=ref)
+    kill_when(launch(2, "stages.train_dpo", run, hook="after_save:2"), lambda: 2 in complete_steps(ck))
+    # Resume, then die DURING the save of step 6: its files and meta.json are written, the rename is not.
+    kill_when(launch(2, "stages.train_dpo", run, hook="before_rename:6"), lambda: interrupted_saves(ck))
+    assert complete_steps(ck) == [2, 4] and len(interrupted_saves(ck)) == 1
+    err = finish(launch(2, "stages.train_dpo", run))
+    assert "ignoring incomplete checkpoint" in err and "4 of 8 optimizer steps done" in err
+    assert read_json(assets / "run/run_info.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "run")
+    assert complete_steps(ck) == [6, 8] and not interrupted_saves(ck)
+
+    # A DP=2 checkpoint under one process is refused, naming the world sizes.
+    with pytest.raises(CheckpointError, match="world size 2 != this run's 1"):
+        train_dpo.main(ckpt_args(assets, "dp1", params, resume=checkpoint_at(ck, 8), extra=ref))
+
+
+@pytest.mark.slow
+def test_fsdp2_dcp_checkpoint_resume_equals_uninterrupted(assets):
+    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY, "parallel": "fsdp2"})
+    finish(launch(2, "stages.train_rm", ckpt_args(assets, "full", params, assets / "ck_full")))
+    ck = assets / "ck"
+    proc = launch(2, "stages.train_rm", ckpt_args(assets, "run", params, ck), hook="after_save:4")
+    kill_when(proc, lambda: 4 in complete_steps(ck))
+    meta = read_json(checkpoint_at(ck, 4) / META)
+    assert meta["parts"]["model"] == "model/" and any(f.endswith(".distcp") for f in meta["files"])
+    finish(launch(2, "stages.train_rm", ckpt_args(assets, "run", params, ck)))
+    assert read_json(assets / "run/run_info.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "run")
