@@ -78,6 +78,7 @@ REASONS = (
     "empty_completion",  # a completion missing or empty after strip
     "identical_pair",    # chosen == rejected (after strip)
     "no_shared_prompt",  # implicit prompt: chosen and rejected share no prompt
+    "contradicts",       # an earlier pair has the same prompt with chosen and rejected swapped
     "margin",            # margin present but not a finite number
     "duplicate",         # same content as an earlier pair
 )
@@ -593,6 +594,11 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".") -> Normal
                 if pair.content_hash in first_seen:
                     s, f, r = first_seen[pair.content_hash]
                     raise RowRejected("duplicate", f"same prompt, chosen and rejected as {s} {f} row {r}")
+                # Keeping both orders of one comparison would train on a preference and its opposite.
+                swapped = content_hash(pair.prompt, pair.rejected, pair.chosen)
+                if swapped in first_seen:
+                    s, f, r = first_seen[swapped]
+                    raise RowRejected("contradicts", f"{s} {f} row {r} has this prompt with chosen and rejected swapped")
             except RowRejected as err:
                 reject(row, err)
                 continue

@@ -249,7 +249,7 @@ def test_bad_row_is_rejected_with_exact_reason(fmt, row, reason):
 
 
 def test_every_reason_code_is_exercised():
-    covered = {r for _, _, r in BAD_ROWS} | {"json", "duplicate"}  # json/duplicate: file-level tests below
+    covered = {r for _, _, r in BAD_ROWS} | {"json", "duplicate", "contradicts"}  # file-level tests below
     assert covered == set(REASONS)
 
 
@@ -299,6 +299,17 @@ def test_duplicates_across_sources_keep_the_first_source(tmp_path):
     assert [(r["source"], r["src_row"], r["reason"]) for r in res.rejections] == [("two", 0, "schema"),
                                                                                    ("two", 1, "duplicate")]
     assert res.stats["totals"]["rows_in"] == 3 and res.stats["totals"]["rejected"]["duplicate"] == 1
+
+
+def test_a_pair_with_chosen_and_rejected_swapped_contradicts_the_earlier_one(tmp_path):
+    rows = [{"prompt": "Q", "chosen": "a", "rejected": "b"}, {"prompt": "Q", "chosen": "c", "rejected": "a"},
+            {"prompt": "Q", "chosen": "b", "rejected": "a"}, {"prompt": "Q2", "chosen": "b", "rejected": "a"}]
+    src = write_jsonl(tmp_path / "s.jsonl", rows)
+    res = normalize_sources([{"name": "s", "path": str(src), "format": "trl"}])
+    assert sorted(p["src_row"] for p in res.pairs) == [0, 1, 3]
+    [rej] = res.rejections
+    assert (rej["src_row"], rej["reason"]) == (2, "contradicts") and "row 0" in rej["detail"]
+    assert res.stats["totals"]["rejected"]["contradicts"] == 1
 
 
 def test_json_parquet_and_jsonl_gz_readers_agree(tmp_path):

@@ -75,6 +75,7 @@ class TrainConfigError(ValueError):
 class TrainSettings:
     gpus: int = 0                      # 0 = CPU with gloo; N = one process per GPU with nccl
     cpu_procs: int = 1                 # processes torchrun starts on CPU (read by the rule)
+    cpu_threads: int = 1               # intra-op threads per CPU process: fixed, so results do not depend on the runner
     parallel: str = "ddp"              # ddp | fsdp2
     seed: int = 1234
     epochs: float = 1.0
@@ -144,6 +145,10 @@ def init_distributed(settings: TrainSettings) -> DistEnv:
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+    # The CPU reduction order depends on the intra-op thread count, and runners set it differently
+    # (Snakemake exports OMP_NUM_THREADS=<rule threads>, DVC and torchrun with one process leave the
+    # default): fix it from params so `snakemake` and `dvc repro` produce the same bytes.
+    torch.set_num_threads(settings.cpu_threads)
     if not dist.is_initialized():
         timeout = timedelta(minutes=30)
         if "RANK" in os.environ:
