@@ -29,6 +29,7 @@ import pyarrow as pa
 from stages.lib.io import (canonical_json, read_parquet, setup_logging, sha256_json, write_json,
                            write_parquet)
 from stages.lib.params import load_params
+from stages.normalize import content_hash
 
 PAIR_COLUMNS = ["pair_id", "content_hash", "source", "prompt", "chosen", "rejected", "margin",
                 "src_file", "src_row"]
@@ -84,7 +85,7 @@ def _check_pairs(pairs: pa.Table, where: str) -> None:
     # The manifest vouches for content by content_hash: recompute it rather than trust it.
     texts = pairs.select(["prompt", "chosen", "rejected"]).to_pylist()
     for row, (pid, ch, content) in enumerate(zip(pair_ids, hashes, texts)):
-        actual = sha256_json(content)
+        actual = content_hash(content["prompt"], content["chosen"], content["rejected"])
         if actual != ch:
             raise ProbeError(f"{where} row {row} (pair {pid}): content_hash {ch} does not match the "
                              f"row's prompt/chosen/rejected (sha256 of their canonical JSON is {actual})")

@@ -54,6 +54,8 @@ import pyarrow as pa
 
 from stages.lib.io import (canonical_json, read_json, read_parquet, setup_logging, sha256_file,
                            sha256_json, write_json, write_parquet)
+from stages import normalize
+from stages.freeze_probe import probe_digest
 from stages.lib.params import load_params
 
 TRUNCATION_POLICIES = ("reject", "truncate_completion")
@@ -412,11 +414,10 @@ def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Bra
 # ---------------------------------------------------------------------------------------------
 
 def content_hash(pair: dict) -> str:
-    """As normalize defines it (docs/ARTIFACTS.md): sha256 of canonical {"prompt", "chosen", "rejected"}."""
+    """normalize's content hash of a pair row, over role/content only (docs/ARTIFACTS.md)."""
     def msgs(messages):
         return [{"role": m["role"], "content": m["content"]} for m in messages]
-    return sha256_json({"prompt": msgs(pair["prompt"]), "chosen": msgs(pair["chosen"]),
-                        "rejected": msgs(pair["rejected"])})
+    return normalize.content_hash(msgs(pair["prompt"]), msgs(pair["chosen"]), msgs(pair["rejected"]))
 
 
 def check_pairs(pairs: list[dict], path: str) -> None:
@@ -450,7 +451,7 @@ def check_probe_matches_manifest(probe_pairs: list[dict], manifest: dict, probe_
     if hashes != list(manifest["content_hashes"]):
         bad = [ids[i] for i, (a, b) in enumerate(zip(hashes, manifest["content_hashes"])) if a != b]
         raise TokenizeError(f"{probe_path}: content hashes differ from {manifest_path} for pairs {bad[:10]}")
-    digest = sha256_json([[p, h] for p, h in zip(ids, hashes)])
+    digest = probe_digest(ids, hashes)
     if digest != manifest["probe_digest"]:
         raise TokenizeError(f"{probe_path}: probe digest {digest} != {manifest_path} probe_digest "
                             f"{manifest['probe_digest']}")
