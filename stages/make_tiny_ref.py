@@ -31,6 +31,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 from stages import verify_ref  # noqa: E402
+from stages.lib.io import write_json  # noqa: E402
 
 # ========================================================================================== settings
 
@@ -165,8 +166,7 @@ def build(data_path: str | os.PathLike, out: str | os.PathLike, repo_id: str = R
 def _canonicalise_json_files(root: Path) -> None:
     """Sorted keys everywhere, so file bytes do not depend on dict insertion order inside transformers."""
     for p in sorted(root.glob("*.json")):
-        obj = json.loads(p.read_text(encoding="utf-8"))
-        p.write_text(json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        write_json(p, json.loads(p.read_text(encoding="utf-8")))
 
 
 def main(argv: list[str] | None = None) -> int:
