@@ -13,6 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+import yaml
 
 from conftest import REPO_ROOT
 
@@ -55,7 +56,7 @@ def dvc_changed_stages(repo: Path) -> set[str]:
 def test_snakemake_and_dvc_run_one_dag(tmp_path):
     repo = copy_checkout(tmp_path)
     sh("snakemake", "--cores", "2", cwd=repo)
-    stages = json.loads(json.dumps(__import__("yaml").safe_load((repo / "dvc.yaml").read_text())["stages"]))
+    stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
     for stage in stages.values():
         for out in stage.get("outs", []):
             path = next(iter(out)) if isinstance(out, dict) else out

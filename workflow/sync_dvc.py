@@ -120,7 +120,7 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
     return HEADER + body
 
 
-def commit_lock(root: Path = ROOT, stage_names: list[str] | None = None) -> None:
+def commit_lock(root: Path = ROOT) -> None:
     """Record the outputs Snakemake just produced in dvc.lock (`dvc commit`), so that `dvc status`
     agrees with the Snakemake run. Only stages whose outputs all exist are committed."""
     if not (root / ".dvc").is_dir() or shutil.which("dvc") is None:
@@ -128,8 +128,6 @@ def commit_lock(root: Path = ROOT, stage_names: list[str] | None = None) -> None
     dvc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
     ready = []
     for name, stage in dvc.items():
-        if stage_names is not None and name not in stage_names:
-            continue
         paths = [next(iter(o)) if isinstance(o, dict) else o
                  for key in ("outs", "metrics", "plots") for o in stage.get(key, [])]
         if all((root / p).exists() for p in paths):
