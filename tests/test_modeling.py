@@ -13,27 +13,26 @@ from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, referen
 from stages.lib.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewards, load_causal_lm,
                                  load_reward_model)
 from stages.lib.packing import build_packed_batch, load_token_pairs, pack_micro_batches
+from stages.lib.trainer import model_inputs as batch_inputs   # the trainer's own batch -> forward mapping
 
 torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
 
 
-def batch_inputs(batch):
-    return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
-                max_seqlen=batch.max_seqlen, logp_positions=batch.logp_positions, logp_targets=batch.logp_targets,
-                logp_seq=batch.logp_seq, last_positions=batch.last_positions, n_seqs=batch.n_seqs)
 
 
 def eager_copy(model_dir, cls):
     return cls.from_pretrained(model_dir, attn_implementation="eager", dtype=torch.float32)
 
 
+@pytest.mark.parametrize("share_prompt", [False, True])
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_packed_logps_and_grads_match_padded_full_logits(tmp_path, arch):
+def test_packed_logps_and_grads_match_padded_full_logits(tmp_path, arch, share_prompt):
     from transformers import AutoModelForCausalLM
     model_dir = make_tiny_model_dir(tmp_path / "m", arch=arch, tie=arch == "qwen2")
     rows = random_rows(6, seed=5)
     pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
-    batch = build_packed_batch(pairs, [3, 0, 5, 1, 4, 2])
+    batch = build_packed_batch(pairs, [3, 0, 5, 1, 4, 2], share_prompt=share_prompt)
+    assert (batch.kv_index is not None) == share_prompt   # random_rows pairs share their prompt
     packed = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=5)   # several chunks, last one ragged
     got = packed(**batch_inputs(batch))
 
@@ -78,7 +77,7 @@ def test_outputs_stay_bound_to_pair_ids_under_shuffled_packing(tmp_path):
     by_pair: dict[str, tuple[float, float]] = {}
     with torch.no_grad():
         for mb in pack_micro_batches(order, pairs.pair_tokens, budget=60, sort=True):
-            batch = build_packed_batch(pairs, mb)
+            batch = build_packed_batch(pairs, mb, share_prompt=True)
             out = packed(**batch_inputs(batch)).view(-1, 2)
             for k, idx in enumerate(batch.pair_index.tolist()):
                 by_pair[pairs.pair_ids[idx]] = tuple(out[k].tolist())
@@ -112,7 +111,9 @@ def hh_token_rows(hh_rlhf_path, tokenizer_dir, n: int) -> list[dict]:
     raise AssertionError("not enough short HH-RLHF pairs")
 
 
-def test_reward_score_read_at_last_completion_token_on_real_hh_rlhf(tmp_path, hh_rlhf_path, gpt2_tokenizer_dir):
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_reward_score_read_at_last_completion_token_on_real_hh_rlhf(tmp_path, hh_rlhf_path, gpt2_tokenizer_dir,
+                                                                    share_prompt):
     from transformers import AutoModelForSequenceClassification
     rows = hh_token_rows(hh_rlhf_path, gpt2_tokenizer_dir, n=4)
     model_dir = make_tiny_model_dir(tmp_path / "m", vocab=50257)
@@ -121,7 +122,7 @@ def test_reward_score_read_at_last_completion_token_on_real_hh_rlhf(tmp_path, hh
     assert rm.score.out_features == 1 and rm.config.pad_token_id is not None
     rm.save_pretrained(tmp_path / "rm")
     pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows), vocab_size=50257)
-    batch = build_packed_batch(pairs, [2, 0, 3, 1])
+    batch = build_packed_batch(pairs, [2, 0, 3, 1], share_prompt=share_prompt)
     with torch.no_grad():
         got = SequenceRewards(rm).eval()(**batch_inputs(batch))
         eager = eager_copy(tmp_path / "rm", AutoModelForSequenceClassification).eval()

@@ -116,3 +116,27 @@ def test_packed_batch_positions_boundaries_and_targets(tmp_path):
     filler = build_packed_batch(pairs, [0], weight=0.0)
     assert (filler.n_tokens, filler.n_pairs) == (0, 0) and filler.pair_weight.tolist() == [0.0]
     assert torch.equal(b.to(torch.device("cpu")).input_ids, b.input_ids)
+
+
+def test_shared_prompt_layout_gathers_prompt_keys_for_the_rejected_completion(tmp_path):
+    # pair a shares prompt [10, 11]; pair c's branches start differently, so it is laid out unshared
+    rows = [token_row("a", [10, 11, 12, 13], 2, [10, 11, 14], 2), token_row("c", [30, 31, 32], 1, [39, 33], 1)]
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    b = build_packed_batch(pairs, [0, 1], share_prompt=True)
+    # a: [prompt 10 11 | chosen 12 13 | rejected 14], then c unshared: chosen, rejected
+    assert b.input_ids.tolist() == [[10, 11, 12, 13, 14, 30, 31, 32, 39, 33]]
+    assert b.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2, 0, 1]]   # rejected restarts after the prompt
+    assert b.cu_seqlens.tolist() == [0, 4, 5, 8, 10] and b.max_seqlen == 4
+    # keys: a.chosen = its own 4 tokens; a.rejected = prompt (0, 1) + itself (4); c as is
+    assert b.kv_index.tolist() == [0, 1, 2, 3, 0, 1, 4, 5, 6, 7, 8, 9]
+    assert b.cu_seqlens_k.tolist() == [0, 4, 7, 10, 12] and b.max_seqlen_k == 4
+    # a.rejected's first completion token (14) is predicted by the last prompt token (position 1)
+    assert b.logp_positions.tolist() == [1, 2, 1, 5, 6, 8]
+    assert b.logp_targets.tolist() == [12, 13, 14, 31, 32, 33]
+    assert b.logp_seq.tolist() == [0, 0, 1, 2, 2, 3]
+    assert b.last_positions.tolist() == [3, 4, 7, 9]
+    assert (b.n_tokens, b.computed_tokens, b.seq_lens) == (12, 10, [4, 3, 3, 2])
+    unshared = build_packed_batch(pairs, [0, 1], share_prompt=False)
+    assert unshared.kv_index is None and unshared.cu_seqlens_k is None and unshared.computed_tokens == 12
+    nothing_shared = build_packed_batch(pairs, [1], share_prompt=True)
+    assert nothing_shared.kv_index is None and nothing_shared.input_ids.tolist() == [[30, 31, 32, 39, 33]]

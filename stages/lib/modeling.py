@@ -64,8 +64,15 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              attention_mask: torch.Tensor | None, scaling: float | None = None,
                              dropout: float = 0.0, sliding_window: int | None = None,
                              cu_seq_lens_q: torch.Tensor | None = None, cu_seq_lens_k: torch.Tensor | None = None,
-                             max_length_q: int | None = None, max_length_k: int | None = None, **_ignored):
-    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Causal within each sequence."""
+                             max_length_q: int | None = None, max_length_k: int | None = None,
+                             kv_index: torch.Tensor | None = None, **_ignored):
+    """query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None). Causal within each segment.
+
+    Without kv_index, query segment i attends causally to the same tokens (cu_seq_lens_k must equal
+    cu_seq_lens_q). With kv_index (a shared-prompt batch, see packing.PackedBatch), keys/values are
+    first gathered by kv_index and query segment i attends to key segment i of cu_seq_lens_k, the
+    causal mask aligned bottom-right (query j of an Lq-token segment sees keys [0, Lk - Lq + j]).
+    """
     if cu_seq_lens_q is None or max_length_q is None:
         raise RuntimeError(f"{PACKED_ATTENTION} needs cu_seq_lens_q/max_length_q: call the model through "
                            "stages.lib.modeling (packed batches), not a plain forward")
@@ -78,6 +85,11 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if query.shape[0] != 1:
         raise RuntimeError(f"packed attention expects batch size 1 (one packed row), got {query.shape[0]}")
     q, k, v = (x[0].transpose(0, 1) for x in (query, key, value))   # [T, H, D]
+    if kv_index is None:
+        cu_k, max_k = cu_seq_lens_q, max_length_q
+    else:
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
+        cu_k, max_k = cu_seq_lens_k, max_length_k
     n_rep = q.shape[1] // k.shape[1]
     if q.is_cuda and torch.is_autocast_enabled("cuda"):
         # Under autocast q/k come out of the fp32 rotary embedding as fp32 while v is bf16: run the
@@ -87,21 +99,28 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     backend = attention_backend(q.device, q.dtype)
     USED_BACKENDS.add(backend)
 
-    if backend == "flash_attn":
-        out = _flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
+    if backend == "flash_attn":      # causal is bottom-right aligned in flash-attn >= 2.1
+        out = _flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_k,
                                       softmax_scale=scaling, causal=True)
-    elif backend == "torch_varlen":
+    elif backend == "torch_varlen":  # window (-1, 0) = causal, bottom-right aligned (checked in tests/test_gpu.py)
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
-        out = _torch_varlen_attn(q, k, v, cu_seq_lens_q, cu_seq_lens_q, max_length_q, max_length_q,
+        out = _torch_varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_k,
                                  scale=scaling, window_size=(-1, 0))
     else:
-        bounds = cu_seq_lens_q.tolist()   # host tensor on CPU: no device sync
+        q_bounds, k_bounds = cu_seq_lens_q.tolist(), cu_k.tolist()   # host tensors on CPU: no device sync
         outs = []
-        for start, end in zip(bounds[:-1], bounds[1:]):
-            qs, ks, vs = (x[start:end].transpose(0, 1) for x in (q, k, v))   # [H, L, D]
-            outs.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling,
-                                                       enable_gqa=n_rep > 1).transpose(0, 1))
+        for i in range(len(q_bounds) - 1):
+            qs = q[q_bounds[i]:q_bounds[i + 1]].transpose(0, 1)        # [H, Lq, D]
+            ks, vs = (x[k_bounds[i]:k_bounds[i + 1]].transpose(0, 1) for x in (k, v))
+            lq, lk = qs.shape[1], ks.shape[1]
+            if lq == lk:
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
+            else:
+                mask = (torch.arange(lk, device=q.device)[None, :]
+                        <= torch.arange(lq, device=q.device)[:, None] + (lk - lq))
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scaling, enable_gqa=n_rep > 1)
+            outs.append(o.transpose(0, 1))
         out = torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
 
@@ -116,10 +135,13 @@ register_packed_attention()
 
 
 def decoder_hidden_states(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                          cu_seqlens: torch.Tensor, max_seqlen: int) -> torch.Tensor:
+                          cu_seqlens: torch.Tensor, max_seqlen: int, cu_seqlens_k: torch.Tensor | None = None,
+                          max_seqlen_k: int = 0, kv_index: torch.Tensor | None = None) -> torch.Tensor:
     """Run the transformer body on one packed row -> final (normed) hidden states [T, H]."""
-    out = body(input_ids=input_ids, position_ids=position_ids, use_cache=False,
-               cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens, max_length_q=max_seqlen, max_length_k=max_seqlen)
+    shared = kv_index is not None
+    out = body(input_ids=input_ids, position_ids=position_ids, use_cache=False, cu_seq_lens_q=cu_seqlens,
+               cu_seq_lens_k=cu_seqlens_k if shared else cu_seqlens, max_length_q=max_seqlen,
+               max_length_k=max_seqlen_k if shared else max_seqlen, kv_index=kv_index)
     return out.last_hidden_state[0]
 
 
@@ -165,8 +187,9 @@ class SequenceLogProbs(nn.Module):
         self.chunk_fn = torch.compile(token_logps_chunk, dynamic=True) if compile_chunks else token_logps_chunk
 
     def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, logp_positions, logp_targets, logp_seq,
-                n_seqs: int, **_unused) -> torch.Tensor:
-        hidden = decoder_hidden_states(base_model(self.lm), input_ids, position_ids, cu_seqlens, max_seqlen)
+                n_seqs: int, cu_seqlens_k=None, max_seqlen_k: int = 0, kv_index=None, **_unused) -> torch.Tensor:
+        hidden = decoder_hidden_states(base_model(self.lm), input_ids, position_ids, cu_seqlens, max_seqlen,
+                                       cu_seqlens_k, max_seqlen_k, kv_index)
         head = self.lm.get_output_embeddings()
         token_logps = completion_token_logps(hidden.index_select(0, logp_positions), head.weight, head.bias,
                                              logp_targets, self.chunk_tokens, self.chunk_fn)
@@ -182,8 +205,10 @@ class SequenceRewards(nn.Module):
         super().__init__()
         self.seq_cls = seq_cls
 
-    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, last_positions, **_unused) -> torch.Tensor:
-        hidden = decoder_hidden_states(base_model(self.seq_cls), input_ids, position_ids, cu_seqlens, max_seqlen)
+    def forward(self, input_ids, position_ids, cu_seqlens, max_seqlen, last_positions, cu_seqlens_k=None,
+                max_seqlen_k: int = 0, kv_index=None, **_unused) -> torch.Tensor:
+        hidden = decoder_hidden_states(base_model(self.seq_cls), input_ids, position_ids, cu_seqlens, max_seqlen,
+                                       cu_seqlens_k, max_seqlen_k, kv_index)
         scores = self.seq_cls.score(hidden.index_select(0, last_positions)).float().squeeze(-1)
         torch._assert_async(torch.isfinite(scores).all(), "non-finite reward scores")
         return scores

@@ -232,12 +232,22 @@ def plan_inference(pair_tokens: np.ndarray, *, micro_batch_tokens: int, world_si
 class PackedBatch:
     """One packed micro-batch. Shapes: T tokens, S = 2P sequences, C completion tokens.
 
-    input_ids / position_ids [1, T]; cu_seqlens [S+1] int32; max_seqlen (host int);
+    input_ids / position_ids [1, T]; cu_seqlens [S+1] int32 over query tokens; max_seqlen (host int);
     logp_positions [C]: hidden-state positions whose next token is a completion token,
     logp_targets [C]: that next token, logp_seq [C]: its sequence; last_positions [S]: the last
     completion token of each sequence (the reward model's score position); seq_pair [S] / seq_is_chosen [S];
     pair_index [P]: row in TokenPairs (binds every output to its pair_id); pair_weight [P]: 1, or 0
     for the filler micro-batches that keep collectives aligned across ranks.
+
+    Shared-prompt layout (share_prompt=True, a pair whose chosen and rejected start with the same
+    prompt tokens): the pair is laid out once as [prompt, chosen completion, rejected completion].
+    Query segment 2k = prompt + chosen completion (causal over itself); query segment 2k+1 = the
+    rejected completion alone, attending to the keys [prompt, rejected completion]: `kv_index` [K]
+    gathers those keys (K = the unshared token count) and `cu_seqlens_k` [S+1] / `max_seqlen_k`
+    delimit them, with the causal mask aligned bottom-right (the last query sees every key of its
+    segment). Rejected positions restart at the prompt length, so every token sees exactly the
+    context it has in its own sequence and the log-probs equal the unshared ones; the prompt is
+    computed once instead of twice. kv_index is None when no pair shares (then keys = queries).
     """
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -251,17 +261,21 @@ class PackedBatch:
     seq_is_chosen: torch.Tensor
     pair_index: torch.Tensor
     pair_weight: torch.Tensor
-    n_tokens: int = 0              # real tokens (0 for filler)
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_k: int = 0
+    kv_index: torch.Tensor | None = None
+    n_tokens: int = 0              # real tokens, chosen + rejected sequences (0 for filler): the throughput unit
     n_pairs: int = 0               # real pairs (0 for filler)
-    seq_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)   # full sequence lengths (prompt + completion)
 
     _TENSORS = ("input_ids", "position_ids", "cu_seqlens", "logp_positions", "logp_targets", "logp_seq",
-                "last_positions", "seq_pair", "seq_is_chosen", "pair_index", "pair_weight")
+                "last_positions", "seq_pair", "seq_is_chosen", "pair_index", "pair_weight", "cu_seqlens_k",
+                "kv_index")
 
     def map_tensors(self, fn) -> "PackedBatch":
-        kw = {name: fn(getattr(self, name)) for name in self._TENSORS}
-        return PackedBatch(**kw, max_seqlen=self.max_seqlen, n_tokens=self.n_tokens, n_pairs=self.n_pairs,
-                           seq_lens=self.seq_lens)
+        kw = {name: (None if getattr(self, name) is None else fn(getattr(self, name))) for name in self._TENSORS}
+        return PackedBatch(**kw, max_seqlen=self.max_seqlen, max_seqlen_k=self.max_seqlen_k, n_tokens=self.n_tokens,
+                           n_pairs=self.n_pairs, seq_lens=self.seq_lens)
 
     def pin_memory(self) -> "PackedBatch":
         return self.map_tensors(lambda t: t.pin_memory())
@@ -273,40 +287,90 @@ class PackedBatch:
     def n_seqs(self) -> int:
         return len(self.seq_lens)
 
+    @property
+    def computed_tokens(self) -> int:
+        """Tokens the model actually runs (a shared prompt counts once)."""
+        return int(self.input_ids.shape[1])
 
-def build_packed_batch(pairs: TokenPairs, micro_batch: MicroBatch, weight: float = 1.0) -> PackedBatch:
-    """Flatten whole pairs into one row (chosen then rejected of each pair, in micro_batch order)."""
+
+def shares_prompt(pairs: TokenPairs, p: int) -> bool:
+    """Chosen and rejected of pair p start with the same prompt tokens (always true for our tokenize stage's
+    output, which tokenizes the prompt once; checked anyway, a pair that does not is laid out unshared)."""
+    c, r = pairs.seq_ids[2 * p], pairs.seq_ids[2 * p + 1]
+    pl = int(pairs.seq_prompt_lens[2 * p])
+    return (pl == int(pairs.seq_prompt_lens[2 * p + 1]) and len(c) > pl and len(r) > pl
+            and np.array_equal(c[:pl], r[:pl]))
+
+
+def build_packed_batch(pairs: TokenPairs, micro_batch: MicroBatch, weight: float = 1.0,
+                       share_prompt: bool = False) -> PackedBatch:
+    """Flatten whole pairs into one row, in micro_batch order: chosen then rejected of each pair, or
+    [prompt, chosen completion, rejected completion] with share_prompt (see PackedBatch)."""
     if not micro_batch:
         raise ValueError("empty micro-batch")
-    seqs = [pairs.seq_ids[2 * p + b] for p in micro_batch for b in (0, 1)]
-    prompt_lens = [int(pairs.seq_prompt_lens[2 * p + b]) for p in micro_batch for b in (0, 1)]
-    lens = np.array([len(s) for s in seqs], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    input_ids = np.concatenate(seqs)
-    position_ids = np.concatenate([np.arange(n, dtype=np.int64) for n in lens])
+    ids_parts, pos_parts, kv_parts = [], [], []
+    q_lens, k_lens, last_positions = [], [], []
     logp_positions, logp_targets, logp_seq = [], [], []
-    for s, (start, n, pl) in enumerate(zip(starts, lens, prompt_lens)):
-        # Completion tokens [pl, n) of sequence s are predicted by hidden states at [pl-1, n-1).
-        pos = np.arange(start + pl - 1, start + n - 1, dtype=np.int64)
-        logp_positions.append(pos)
-        logp_targets.append(input_ids[pos + 1])
-        logp_seq.append(np.full(len(pos), s, dtype=np.int64))
+    any_shared = False
+    start = 0                       # query-token offset of the current pair
+    for k, p in enumerate(micro_batch):
+        c, r = pairs.seq_ids[2 * p], pairs.seq_ids[2 * p + 1]
+        pc, pr = int(pairs.seq_prompt_lens[2 * p]), int(pairs.seq_prompt_lens[2 * p + 1])
+        s_c, s_r = 2 * k, 2 * k + 1
+        if share_prompt and shares_prompt(pairs, p):
+            any_shared = True
+            n_c, n_r = len(c), len(r) - pr              # rejected contributes its completion only
+            ids_parts += [c, r[pr:]]
+            pos_parts += [np.arange(n_c), np.arange(pr, len(r))]
+            kv_parts += [np.arange(start, start + n_c), np.arange(start, start + pr),
+                         np.arange(start + n_c, start + n_c + n_r)]
+            q_lens += [n_c, n_r]
+            k_lens += [n_c, len(r)]
+            # chosen: completion tokens [pc, n_c) predicted by positions [pc-1, n_c-1)
+            pos_c = np.arange(start + pc - 1, start + n_c - 1)
+            # rejected: its first completion token is predicted by the last prompt token, the rest by
+            # the rejected tokens before them
+            pos_r = np.concatenate([[start + pr - 1], np.arange(start + n_c, start + n_c + n_r - 1)])
+            logp_positions += [pos_c, pos_r]
+            logp_targets += [c[pc:], r[pr:]]
+            last_positions += [start + n_c - 1, start + n_c + n_r - 1]
+            start += n_c + n_r
+        else:
+            ids_parts += [c, r]
+            pos_parts += [np.arange(len(c)), np.arange(len(r))]
+            kv_parts += [np.arange(start, start + len(c) + len(r))]
+            q_lens += [len(c), len(r)]
+            k_lens += [len(c), len(r)]
+            pos_c = np.arange(start + pc - 1, start + len(c) - 1)
+            pos_r = np.arange(start + len(c) + pr - 1, start + len(c) + len(r) - 1)
+            logp_positions += [pos_c, pos_r]
+            logp_targets += [c[pc:], r[pr:]]
+            last_positions += [start + len(c) - 1, start + len(c) + len(r) - 1]
+            start += len(c) + len(r)
+        logp_seq += [np.full(len(pos_c), s_c), np.full(len(pos_r), s_r)]
+    seq_lens = [len(pairs.seq_ids[2 * p + b]) for p in micro_batch for b in (0, 1)]
     n_pairs = len(micro_batch)
     t = torch.from_numpy
+
+    def cumsum32(lens):
+        return t(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32))
     return PackedBatch(
-        input_ids=t(input_ids.astype(np.int64))[None],
-        position_ids=t(position_ids)[None],
-        cu_seqlens=t(np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)),
-        max_seqlen=int(lens.max()),
-        logp_positions=t(np.concatenate(logp_positions)),
+        input_ids=t(np.concatenate(ids_parts).astype(np.int64))[None],
+        position_ids=t(np.concatenate(pos_parts).astype(np.int64))[None],
+        cu_seqlens=cumsum32(q_lens),
+        max_seqlen=int(max(q_lens)),
+        logp_positions=t(np.concatenate(logp_positions).astype(np.int64)),
         logp_targets=t(np.concatenate(logp_targets).astype(np.int64)),
-        logp_seq=t(np.concatenate(logp_seq)),
-        last_positions=t(starts + lens - 1),
+        logp_seq=t(np.concatenate(logp_seq).astype(np.int64)),
+        last_positions=torch.tensor(last_positions, dtype=torch.int64),
         seq_pair=torch.arange(n_pairs).repeat_interleave(2),
         seq_is_chosen=torch.tensor([True, False]).repeat(n_pairs),
         pair_index=torch.tensor(micro_batch, dtype=torch.int64),
         pair_weight=torch.full((n_pairs,), float(weight), dtype=torch.float32),
-        n_tokens=int(lens.sum()) if weight else 0,
+        cu_seqlens_k=cumsum32(k_lens) if any_shared else None,
+        max_seqlen_k=int(max(k_lens)),
+        kv_index=t(np.concatenate(kv_parts).astype(np.int64)) if any_shared else None,
+        n_tokens=int(sum(seq_lens)) if weight else 0,
         n_pairs=n_pairs if weight else 0,
-        seq_lens=lens.tolist(),
+        seq_lens=seq_lens,
     )
