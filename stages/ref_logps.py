@@ -6,7 +6,7 @@
 
 Columns: pair_id, split (train|probe), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
 token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens).
-Packing, chunking, autocast and compile follow params `train` exactly as train_dpo's probe pass
+Packing, prompt sharing, chunking, precision and compile follow params `train` exactly as train_dpo's probe pass
 does, so the policy's step-0 probe log-probs reproduce these and every step-0 pair ties.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from stages.lib.io import write_parquet
 from stages.lib.modeling import SequenceLogProbs, load_causal_lm
 from stages.lib.objectives import ref_logps_table
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_common_args, disable_dropout, init_distributed, load_stage_tokens,
+from stages.lib.trainer import (TrainSettings, add_common_args, compute_dtype, disable_dropout, init_distributed, load_stage_tokens,
                                 resolve_model_dir, run_inference, shutdown_distributed, stage_logging)
 
 log = logging.getLogger("ref_logps")
@@ -44,14 +44,15 @@ def main(argv: list[str] | None = None) -> None:
         reference = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=settings.logp_chunk_tokens,
                                      compile_chunks=settings.compile)
         disable_dropout(reference)
-        reference.requires_grad_(False).to(env.device)
+        # The same weights dtype as the policy's step-0 probe pass, so every step-0 pair ties exactly.
+        reference.requires_grad_(False).to(env.device, dtype=compute_dtype(settings))
         if settings.parallel == "fsdp2":      # shard a reference too large to replicate
             from stages.lib.trainer import wrap_model
             reference = wrap_model(reference, reference.lm, settings, env)
         splits = []
         for split, pairs in (("train", train_pairs), ("probe", probe_pairs)):
             t0 = time.perf_counter()
-            logps = run_inference(reference, pairs, env, settings.micro_batch_tokens, desc=f"ref_logps {split}")
+            logps = run_inference(reference, pairs, env, settings, desc=f"ref_logps {split}")
             seconds = time.perf_counter() - t0      # run_inference ends with a host read: the GPU is done
             splits.append((split, pairs, logps))
             if env.is_main:

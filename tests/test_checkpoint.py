@@ -247,7 +247,7 @@ def test_rm_export_loads_back_with_identical_scores_and_the_head_guard(assets):
                       control_group=dist.group.WORLD)
         probe = load_token_pairs(assets / "probe.parquet")
         got = run_inference(SequenceRewards(load_reward_model(assets / "rm/model")), probe, env,
-                            TrainSettings.from_params(yaml.safe_load(params.read_text())).micro_batch_tokens)
+                            TrainSettings.from_params(yaml.safe_load(params.read_text())))
     finally:
         dist.destroy_process_group()
     np.testing.assert_array_equal(got, want)

@@ -303,3 +303,67 @@ def test_rm_under_torchrun_dp2_equals_dp1_and_fsdp2_and_learns(assets):
     step0 = assert_probe_rows(assets / "dp2/probe_step0.jsonl", assets / "probe.parquet", RM_KEYS)
     final = assert_probe_rows(assets / "dp2/probe_final.jsonl", assets / "probe.parquet", RM_KEYS)
     assert np.mean([r["correct"] for r in final]) > np.mean([r["correct"] for r in step0]) + 0.2
+
+
+# ----------------------------------------------------------------------------------------------
+# precision bf16: bf16 weights for compute, fp32 masters in the optimizer
+# ----------------------------------------------------------------------------------------------
+
+def test_master_weights_keep_updates_that_pure_bf16_loses_and_round_trip_exactly():
+    from stages.lib.trainer import MasterWeightAdamW
+    torch.manual_seed(0)
+    fp32 = torch.nn.Linear(16, 16)
+    pure, mixed = torch.nn.Linear(16, 16).to(torch.bfloat16), torch.nn.Linear(16, 16)
+    pure.load_state_dict(fp32.state_dict())
+    mixed.load_state_dict(fp32.state_dict())
+    masters = {id(p): p.detach().clone() for p in mixed.parameters()}
+    mixed.to(torch.bfloat16)
+    opt_mixed = MasterWeightAdamW([{"params": list(mixed.parameters())}], masters, lr=1e-5)
+    opt_pure = torch.optim.AdamW(pure.parameters(), lr=1e-5)
+    start = [p.detach().clone() for p in pure.parameters()]
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    for _ in range(5):
+        for model, opt in ((pure, opt_pure), (mixed, opt_mixed)):
+            model(x).square().sum().backward()
+            if isinstance(opt, MasterWeightAdamW):
+                opt.grads_to_master()
+            opt.step()
+            opt.zero_grad()
+    # 5 steps of 1e-5 are below bf16's resolution for most weights: pure bf16 barely moves, the masters do.
+    unchanged = sum(int((p == s).sum()) for p, s in zip(pure.parameters(), start)) / sum(s.numel() for s in start)
+    assert unchanged > 0.9
+    moved = torch.cat([(m - masters[id(p)].float()).abs().flatten()
+                       for p, m in zip(opt_mixed.model_params, opt_mixed.master_params)])
+    assert (moved > 0).float().mean() > 0.9 and opt_mixed.master_params[0].dtype == torch.float32
+    for p, m in zip(opt_mixed.model_params, opt_mixed.master_params):
+        assert p.dtype == torch.bfloat16 and torch.equal(p, m.to(torch.bfloat16))
+    # state_dict carries the masters: a fresh optimizer (from other values) is restored exactly.
+    sd = opt_mixed.state_dict()
+    other = torch.nn.Linear(16, 16).to(torch.bfloat16)
+    restored = MasterWeightAdamW([{"params": list(other.parameters())}],
+                                 {id(p): p.detach().float() for p in other.parameters()}, lr=1e-5)
+    restored.load_state_dict(sd)
+    for a, b in zip(restored.master_params, opt_mixed.master_params):
+        assert torch.equal(a, b)
+    for a, b in zip(other.parameters(), mixed.parameters()):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="no fp32 master weights"):
+        restored.load_state_dict(torch.optim.AdamW(other.parameters()).state_dict())
+
+
+def test_dpo_in_bf16_precision_ties_at_step0_learns_and_exports_fp32_masters(assets):
+    from safetensors.torch import load_file
+    from stages import ref_logps, train_dpo
+    params = write_params(assets / "p.yaml", train={"precision": "bf16", "epochs": 2})
+    ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
+    out = assets / "dpo"
+    train_dpo.main([*stage_args(assets, "--out-dir", out, params), "--ref-logps", str(assets / "ref.parquet")])
+    step0 = read_jsonl(out / "probe_step0.jsonl")
+    assert all(r["margin"] == 0.0 for r in step0)     # the bf16 reference pass equals the bf16 policy's step 0
+    final = read_jsonl(out / "probe_final.jsonl")
+    assert np.mean([r["correct"] for r in final]) > 0.5 and np.mean([r["margin"] for r in final]) > 0
+    assert pd.read_csv(out / "train_log.csv").accuracy.iloc[-1] == 1.0
+    weights = load_file(out / "model" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}
+    # the export holds the fp32 masters, which bf16 cannot represent exactly
+    assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in weights.values())

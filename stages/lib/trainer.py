@@ -90,6 +90,8 @@ class TrainSettings:
     logp_chunk_tokens: int = 2048      # LM-head chunk for log-probs
     temperature: float = 1.0           # must be exactly 1
     compile: bool = False              # torch.compile the log-prob chunk function
+    precision: str = "autocast"        # GPU: autocast = fp32 weights + bf16 autocast; bf16 = bf16 weights, fp32 master
+    share_prompt: bool = True          # compute a pair's shared prompt once (packing.PackedBatch)
     activation_checkpointing: bool = False
     save_every: int = 0                # checkpoint every N optimizer steps (and after the last); 0 = never
     keep_checkpoints: int = 2          # complete checkpoints of a run kept on disk (the newest ones)
@@ -100,6 +102,8 @@ class TrainSettings:
                                    "log-probs are defined at temperature 1; other values are refused")
         if self.parallel not in ("ddp", "fsdp2"):
             raise TrainConfigError(f"train.parallel = {self.parallel!r}: expected ddp or fsdp2")
+        if self.precision not in ("autocast", "bf16"):
+            raise TrainConfigError(f"train.precision = {self.precision!r}: expected autocast or bf16")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise TrainConfigError(f"train.schedule = {self.schedule!r}: expected cosine, linear or constant")
         if self.save_every < 0 or self.keep_checkpoints < 1:
@@ -182,11 +186,17 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast(env: DistEnv):
-    """bf16 autocast on GPU over fp32 master weights; plain fp32 on CPU."""
-    if env.device.type == "cuda":
+def autocast(env: DistEnv, settings: TrainSettings):
+    """precision autocast: bf16 autocast on GPU over fp32 weights (plain fp32 on CPU). precision bf16:
+    the weights are bf16 already (fp32 masters live in the optimizer), nothing to cast per op."""
+    if env.device.type == "cuda" and settings.precision == "autocast":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+def compute_dtype(settings: TrainSettings) -> torch.dtype:
+    """dtype of the module's weights during forward/backward (FSDP2 casts its fp32 shards itself)."""
+    return torch.bfloat16 if settings.precision == "bf16" and settings.parallel != "fsdp2" else torch.float32
 
 
 # ----------------------------------------------------------------------------------------------
@@ -201,15 +211,23 @@ def disable_dropout(module: nn.Module) -> None:
 
 
 def wrap_model(module: nn.Module, hf_model: nn.Module, settings: TrainSettings, env: DistEnv) -> nn.Module:
-    """DDP (replicated) or FSDP2 (fully_shard per transformer block, then the root)."""
+    """DDP (replicated) or FSDP2 (fully_shard per transformer block, then the root). One DDP process
+    has nothing to synchronise: the module runs unwrapped (DDP's per-step hooks and bucket copies cost
+    time for nothing)."""
     if settings.parallel == "fsdp2":
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         blocks = [m for m in hf_model.modules() if type(m).__name__ in (hf_model._no_split_modules or [])]
         if not blocks:
             raise TrainConfigError(f"FSDP2: {type(hf_model).__name__} declares no transformer block classes")
+        # precision bf16: the fp32 shards are the master weights; FSDP2 gathers them as bf16 for compute
+        # and reduces gradients in fp32.
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if settings.precision == "bf16" else MixedPrecisionPolicy())
         for block in blocks:
-            fully_shard(block)
-        fully_shard(module)
+            fully_shard(block, mp_policy=mp)
+        fully_shard(module, mp_policy=mp)
+        return module
+    if env.world_size == 1:
         return module
     import inspect
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -224,15 +242,76 @@ def gradient_sync(model: nn.Module, settings: TrainSettings, enabled: bool):
     if settings.parallel == "fsdp2":
         model.set_requires_gradient_sync(enabled)
         return contextlib.nullcontext()
-    return contextlib.nullcontext() if enabled else model.no_sync()
+    return model.no_sync() if not enabled and hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
-def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv) -> torch.optim.AdamW:
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of a module's bf16 parameters (train.precision bf16 without FSDP2).
+
+    Forward and backward run on the bf16 parameters (no per-op casts); before the step the bf16
+    gradients are copied into the fp32 masters' gradients (`grads_to_master`, where clipping then
+    happens), AdamW updates the masters in fp32, and the masters are copied back to bf16. So an update
+    smaller than bf16's resolution still accumulates (pure bf16 AdamW, as a bf16 model under HF Trainer,
+    silently drops it). state_dict() carries the masters: a resume restores them exactly.
+    """
+
+    def __init__(self, groups: list[dict], masters: dict[int, torch.Tensor], **kw):
+        """masters: id(param) -> its fp32 value, taken BEFORE the module was cast to bf16."""
+        self.model_params = [p for g in groups for p in g["params"]]
+        masters = {id(p): masters[id(p)].detach().float().clone().requires_grad_(True) for p in self.model_params}
+        super().__init__([{**g, "params": [masters[id(p)] for p in g["params"]]} for g in groups], **kw)
+        self.master_params = [masters[id(p)] for p in self.model_params]
+
+    def master_of(self) -> dict[int, torch.Tensor]:
+        return {id(p): m for p, m in zip(self.model_params, self.master_params)}
+
+    @torch.no_grad()
+    def grads_to_master(self) -> None:
+        for p, m in zip(self.model_params, self.master_params):
+            if p.grad is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                m.grad.copy_(p.grad)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        torch._foreach_copy_(self.model_params, self.master_params)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:            # the masters' gradient buffers are reused, overwritten each step
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["master_params"] = [m.detach().clone() for m in self.master_params]
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_params", None)
+        if masters is None or len(masters) != len(self.master_params):
+            raise ValueError("optimizer state has no fp32 master weights for this model (saved with another "
+                             "train.precision?)")
+        with torch.no_grad():
+            for m, saved in zip(self.master_params, masters):
+                m.copy_(saved)
+            torch._foreach_copy_(self.model_params, self.master_params)
+        super().load_state_dict(state_dict)
+
+
+def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv,
+                    masters: dict[int, torch.Tensor] | None = None) -> torch.optim.AdamW:
     decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=settings.lr, betas=settings.adam_betas,
-                             fused=env.device.type == "cuda")
+    kw = dict(lr=settings.lr, betas=settings.adam_betas, fused=env.device.type == "cuda")
+    if masters is not None:
+        return MasterWeightAdamW(groups, masters, **kw)
+    return torch.optim.AdamW(groups, **kw)
 
 
 def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
@@ -254,8 +333,8 @@ def build_scheduler(optimizer, settings: TrainSettings, total_steps: int) -> tor
         optimizer, lambda s: lr_factor(s, warmup, total_steps, settings.schedule))
 
 
-def total_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
-    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm if max_norm > 0 else float("inf"))
+def total_grad_norm(params, max_norm: float) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
@@ -263,10 +342,10 @@ def total_grad_norm(model: nn.Module, max_norm: float) -> torch.Tensor:
 # Batches: built (and pinned) on a background thread, off the step's critical path
 # ----------------------------------------------------------------------------------------------
 
-def prefetch_batches(pairs: TokenPairs, micro_batches: Iterable[MicroBatch], pin: bool, depth: int = 8
-                     ) -> Iterator[PackedBatch]:
+def prefetch_batches(pairs: TokenPairs, micro_batches: Iterable[MicroBatch], pin: bool, share_prompt: bool,
+                     depth: int = 8) -> Iterator[PackedBatch]:
     def build(mb: MicroBatch) -> PackedBatch:
-        batch = build_packed_batch(pairs, mb)
+        batch = build_packed_batch(pairs, mb, share_prompt=share_prompt)
         return batch.pin_memory() if pin else batch
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack") as pool:
         pending = []
@@ -278,15 +357,16 @@ def prefetch_batches(pairs: TokenPairs, micro_batches: Iterable[MicroBatch], pin
             yield fut.result()
 
 
-def filler_batch(pairs: TokenPairs) -> PackedBatch:
+def filler_batch(pairs: TokenPairs, share_prompt: bool) -> PackedBatch:
     """A zero-weight micro-batch (pair 0) a rank runs when it has fewer micro-batches than others."""
-    return build_packed_batch(pairs, [0], weight=0.0)
+    return build_packed_batch(pairs, [0], weight=0.0, share_prompt=share_prompt)
 
 
 def model_inputs(batch: PackedBatch) -> dict:
     return dict(input_ids=batch.input_ids, position_ids=batch.position_ids, cu_seqlens=batch.cu_seqlens,
                 max_seqlen=batch.max_seqlen, logp_positions=batch.logp_positions, logp_targets=batch.logp_targets,
-                logp_seq=batch.logp_seq, last_positions=batch.last_positions, n_seqs=batch.n_seqs)
+                logp_seq=batch.logp_seq, last_positions=batch.last_positions, n_seqs=batch.n_seqs,
+                cu_seqlens_k=batch.cu_seqlens_k, max_seqlen_k=batch.max_seqlen_k, kv_index=batch.kv_index)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -294,21 +374,21 @@ def model_inputs(batch: PackedBatch) -> dict:
 # ----------------------------------------------------------------------------------------------
 
 @torch.no_grad()
-def run_inference(model: nn.Module, pairs: TokenPairs, env: DistEnv, micro_batch_tokens: int,
+def run_inference(model: nn.Module, pairs: TokenPairs, env: DistEnv, settings: TrainSettings,
                   desc: str = "inference") -> np.ndarray | None:
     """Per-pair model outputs [n_pairs, 2] (chosen, rejected) as float64, on rank 0 (None elsewhere).
     Every pair is scored exactly once; results are placed by pair index, never by arrival order."""
-    plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=micro_batch_tokens, world_size=env.world_size)
+    plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=settings.micro_batch_tokens, world_size=env.world_size)
     mine = plan[env.rank]
     n_micro, _, _ = control_exchange(env, len(mine), sum(map(len, mine)), 0)
     was_training = model.training
     model.eval()
-    filler = filler_batch(pairs).to(env.device)
+    filler = filler_batch(pairs, settings.share_prompt).to(env.device)
     outputs, indices = [], []
-    batches = prefetch_batches(pairs, mine, pin=env.device.type == "cuda")
+    batches = prefetch_batches(pairs, mine, pin=env.device.type == "cuda", share_prompt=settings.share_prompt)
     for k in range(n_micro):
         batch = next(batches).to(env.device, non_blocking=True) if k < len(mine) else filler
-        with autocast(env):
+        with autocast(env, settings):
             out = model(**model_inputs(batch))
         if k < len(mine):
             outputs.append(out.view(-1, 2).double())
@@ -439,9 +519,14 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     if settings.activation_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.to(env.device)
+    masters = None
+    if compute_dtype(settings) != torch.float32:   # keep the fp32 values as the optimizer's masters, then cast
+        masters = {id(p): p.detach().clone() for p in module.parameters()}
+        module.to(dtype=compute_dtype(settings))
     objective.to(env.device)
     model = wrap_model(module, hf, settings, env)
-    optimizer = build_optimizer(module, settings, env)
+    optimizer = build_optimizer(module, settings, env, masters)
+    del masters
     plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
                           global_batch_pairs=settings.global_batch_pairs,
                           micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
@@ -471,7 +556,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
 
     # -- step-0 probe ----------------------------------------------------------------------------
     def evaluate_probe(name: str) -> list[dict] | None:
-        outputs = run_inference(model, probe_pairs, env, settings.micro_batch_tokens, desc=f"probe {name}")
+        outputs = run_inference(model, probe_pairs, env, settings, desc=f"probe {name}")
         if not env.is_main:
             return None
         rows = objective.probe_rows(probe_pairs, outputs)
@@ -486,9 +571,10 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
 
     # -- the loop ----------------------------------------------------------------------------------
     model.train()
-    filler = filler_batch(train_pairs).to(env.device)
+    filler = filler_batch(train_pairs, settings.share_prompt).to(env.device)
     my_micro_batches = (mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank])
-    batches = prefetch_batches(train_pairs, my_micro_batches, pin=env.device.type == "cuda")
+    batches = prefetch_batches(train_pairs, my_micro_batches, pin=env.device.type == "cuda",
+                               share_prompt=settings.share_prompt)
     metric_names = objective.metric_names
     progress = _progress_bar(len(plans), state.step, env)
     t_train = time.perf_counter()
@@ -532,14 +618,18 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         for k in range(n_micro):
             batch = next(batches).to(env.device, non_blocking=True) if k < len(mine) else filler
             with gradient_sync(model, settings, enabled=k == n_micro - 1):
-                with autocast(env):
+                with autocast(env, settings):
                     seq_out = model(**model_inputs(batch))
                 losses, metrics = objective.pair_terms(seq_out, batch, "train")
                 loss = (losses * batch.pair_weight.to(losses.dtype)).sum() * scale
                 torch._assert_async(torch.isfinite(loss), "non-finite loss")
                 loss.backward()
             sums += (metrics * batch.pair_weight[:, None].to(metrics.dtype)).sum(0)
-        grad_norm = total_grad_norm(model, settings.max_grad_norm)
+        if isinstance(optimizer, MasterWeightAdamW):
+            optimizer.grads_to_master()        # clip the fp32 master gradients
+            grad_norm = total_grad_norm(optimizer.master_params, settings.max_grad_norm)
+        else:
+            grad_norm = total_grad_norm(model.parameters(), settings.max_grad_norm)
         torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
         optimizer.step()
         scheduler.step()
@@ -568,6 +658,11 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
 
     # -- final probe, export, records ---------------------------------------------------------------
     evaluate_probe("final")
+    if isinstance(optimizer, MasterWeightAdamW):
+        # Export the fp32 masters (what was trained), not their bf16 working copies.
+        with torch.no_grad():
+            module.float()
+            torch._foreach_copy_(optimizer.model_params, optimizer.master_params)
     export_model(model, module, objective, settings, env, Path(model_dir), out_dir / "model")
     peaks = [None] * env.world_size
     dist.all_gather_object(peaks, peak_memory_bytes(env), group=env.control_group)

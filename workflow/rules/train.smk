@@ -29,6 +29,9 @@ rule ref_logps:
         train__micro_batch_tokens=TRAIN["micro_batch_tokens"],
         train__logp_chunk_tokens=TRAIN["logp_chunk_tokens"],
         train__temperature=TRAIN["temperature"],
+        train__precision=TRAIN["precision"],
+        train__share_prompt=TRAIN["share_prompt"],
+        train__compile=TRAIN["compile"],
     resources:
         gpu=TRAIN["gpus"],
         nproc=NPROC,
