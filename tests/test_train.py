@@ -367,3 +367,17 @@ def test_dpo_in_bf16_precision_ties_at_step0_learns_and_exports_fp32_masters(ass
     assert {t.dtype for t in weights.values()} == {torch.float32}
     # the export holds the fp32 masters, which bf16 cannot represent exactly
     assert any(not torch.equal(t, t.to(torch.bfloat16).float()) for t in weights.values())
+
+
+@pytest.mark.slow
+def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
+    """precision bf16 under FSDP2: the fp32 shards are the masters, MixedPrecisionPolicy computes in bf16."""
+    from safetensors.torch import load_file
+    params = write_params(assets / "p.yaml", train={"precision": "bf16", "parallel": "fsdp2", "epochs": 1})
+    torchrun(2, "stages.train_rm", stage_args(assets, "--out-dir", assets / "rm", params))
+    info = json.loads((assets / "rm" / "run_info.json").read_text())
+    assert info["world_size"] == 2 and info["settings"]["precision"] == "bf16"
+    log = pd.read_csv(assets / "rm" / "train_log.csv")
+    assert np.isfinite(log.loss).all() and log.loss.iloc[-1] < log.loss.iloc[0]
+    weights = load_file(assets / "rm" / "model" / "model.safetensors")
+    assert {t.dtype for t in weights.values()} == {torch.float32}

@@ -23,7 +23,11 @@ resumed run restores them and, the plan being a pure function of (lengths, seed,
 simply starts the loop and the batch prefetcher at `plans[state.step]`: same batches, same RNG, so
 the same weights bit for bit on CPU.
 
-Seams for later work: `build_optimizer`/`wrap_model`/`SequenceLogProbs(compile_chunks=...)` are where speed work plugs in.
+Precision: `train.precision: autocast` keeps fp32 weights under bf16 autocast on GPU; `bf16` casts the
+weights to bf16 and keeps fp32 masters in MasterWeightAdamW (FSDP2: MixedPrecisionPolicy instead).
+Seams for later work: `build_optimizer`/`wrap_model`/`SequenceLogProbs(compile_chunks=...)` are where
+speed work plugs in; the step is host-launch bound on small steps (bench/results/step_profile_h200.json),
+so CUDA graphs over bucketed packed lengths are the next lever.
 """
 from __future__ import annotations
 
