@@ -1,0 +1,50 @@
+"""GPU-only checks (marked `gpu`, skipped without CUDA; run through the device tool):
+    python -m pytest -q -m gpu tests/test_gpu.py
+The fast path's kernels and the shared-prompt layout on real CUDA kernels, in bf16."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
+from stages.lib.modeling import USED_BACKENDS, SequenceLogProbs, load_causal_lm, packed_attention_forward
+from stages.lib.packing import build_packed_batch, load_token_pairs
+from stages.lib.trainer import model_inputs
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")]
+
+
+def test_packed_attention_with_gathered_keys_is_causal_bottom_right():
+    """Query segments shorter than their key segments (the rejected completion over [prompt; itself])."""
+    torch.manual_seed(0)
+    hq, hkv, d = 14, 2, 64
+    lq, lk = [37, 200, 5], [100, 333, 64]
+    q = torch.randn(1, hq, sum(lq), d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(1, hkv, sum(lk), d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(1, hkv, sum(lk), d, device="cuda", dtype=torch.bfloat16)
+    cq = torch.tensor([0, 37, 237, 242], dtype=torch.int32, device="cuda")
+    ck = torch.tensor([0, 100, 433, 497], dtype=torch.int32, device="cuda")
+    index = torch.arange(sum(lk), device="cuda")          # identity gather: keys already in segment order
+    out, _ = packed_attention_forward(None, q, k, v, None, scaling=d ** -0.5, cu_seq_lens_q=cq, cu_seq_lens_k=ck,
+                                      max_length_q=200, max_length_k=333, kv_index=index)
+    ref = []
+    for i in range(3):
+        qs = q[0, :, cq[i]:cq[i + 1]].float()
+        ks = k[0, :, ck[i]:ck[i + 1]].float().repeat_interleave(hq // hkv, 0)
+        vs = v[0, :, ck[i]:ck[i + 1]].float().repeat_interleave(hq // hkv, 0)
+        mask = torch.arange(lk[i], device="cuda")[None] <= torch.arange(lq[i], device="cuda")[:, None] + lk[i] - lq[i]
+        ref.append(F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask).transpose(0, 1))
+    torch.testing.assert_close(out[0].float(), torch.cat(ref), rtol=0, atol=2e-2)
+    assert USED_BACKENDS & {"torch_varlen", "flash_attn"}
+
+
+def test_shared_prompt_logps_match_unshared_on_gpu_in_bf16(tmp_path):
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", random_rows(16, seed=3)))
+    model = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=64).to("cuda", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        outs = [model(**model_inputs(build_packed_batch(pairs, list(range(16)), share_prompt=s).to(torch.device("cuda"))))
+                for s in (False, True)]
+    torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.05 * float(outs[0].abs().mean()))
