@@ -150,14 +150,17 @@ def run_ours(work: Path, model_dir: Path, params: dict, out: Path) -> dict:
     return res
 
 
-def run_trl(mode: str, n_pairs: int, shared: Path, wheels_site: str | None, out: Path) -> dict:
+def run_trl(mode: str, n_pairs: int, shared: Path, wheels_site: str | None, out: Path, script: Path | None = None,
+            layers: int | None = None) -> dict:
     # trl_anchor.py reads ../shared/data relative to its cwd: give it a sibling of `shared`.
     cwd = shared.parent / "trl_cwd"
     cwd.mkdir(exist_ok=True)
     env = {"HF_HUB_OFFLINE": "1"}
     if wheels_site:
         env["PYTHONPATH"] = wheels_site
-    sh([sys.executable, str(shared / "bench" / "trl_anchor.py"), mode, str(n_pairs)], env=env, cwd=cwd,
+    if layers:
+        env["LAYERS"] = str(layers)
+    sh([sys.executable, str(script or shared / "bench" / "trl_anchor.py"), mode, str(n_pairs)], env=env, cwd=cwd,
        log=out / f"trl_{mode}.out")
     last = [l for l in (out / f"trl_{mode}.out").read_text().splitlines() if l.startswith("{")][-1]
     return json.loads(last)
@@ -179,6 +182,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--modes", default="ours,trl")
     ap.add_argument("--trl-site", help="a directory with trl/datasets installed (pip --target)")
+    ap.add_argument("--trl-script", help="another TRL runner than ../shared/bench/trl_anchor.py (e.g. the anchor "
+                    "with the 1.5B shape substituted, see the README)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="params overrides, e.g. train.compile=true")
     ap.add_argument("--work", default="/tmp/prefpipe_bench")
     args = ap.parse_args(argv)
@@ -240,7 +245,8 @@ def main(argv=None) -> None:
                          "peak_mem_gib": round(max(info["peak_memory_bytes_per_rank"]) / 2**30, 2)})
     if "trl" in args.modes:
         for mode in ("dpo_tuned", "rm_tuned"):
-            t = run_trl(mode, args.pairs, shared, args.trl_site, logs)
+            t = run_trl(mode, args.pairs, shared, args.trl_site, logs, Path(args.trl_script).resolve()
+                        if args.trl_script else None, SHAPES[args.shape]["num_hidden_layers"])
             result[f"trl_{mode}"] = t
             save_partial()
             rows.append({"mode": f"trl_{mode}", "seconds": t["train_s"], "tokens": t["counted_tokens"],
