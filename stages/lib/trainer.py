@@ -271,13 +271,17 @@ class MasterWeightAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def grads_to_master(self) -> None:
+        dst, src = [], []                      # one foreach copy (few launches) instead of one per tensor
         for p, m in zip(self.model_params, self.master_params):
             if p.grad is None:
                 m.grad = None
             elif m.grad is None:
                 m.grad = p.grad.float()
             else:
-                m.grad.copy_(p.grad)
+                dst.append(m.grad)
+                src.append(p.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
 
     @torch.no_grad()
     def step(self, closure=None):
