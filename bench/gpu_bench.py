@@ -77,6 +77,7 @@ def matmul_peak_tflops() -> float | None:
 
 def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length: int, work: Path) -> dict:
     from stages.lib.io import write_parquet
+    from stages.lib.packing import load_token_pairs, shares_prompt
     from stages.normalize import normalize_sources
     from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs, tokens_table
 
@@ -93,9 +94,9 @@ def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length:
         result = tokenize_pairs(tok, norm.pairs, limits, split)
         write_parquet(work / f"{split}_tokens.parquet", tokens_table(result.rows))
         seq_tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in result.rows)
-        # what the shared-prompt layout actually runs: each pair's common prompt once
-        shared = sum(r["chosen_prompt_len"] for r in result.rows if r["chosen_prompt_len"] == r["rejected_prompt_len"]
-                     and list(r["chosen_ids"][:r["chosen_prompt_len"]]) == list(r["rejected_ids"][:r["rejected_prompt_len"]]))
+        # what the shared-prompt layout actually runs: each pair's common prompt once (packing's own test)
+        pairs = load_token_pairs(work / f"{split}_tokens.parquet")
+        shared = sum(int(pairs.seq_prompt_lens[2 * p]) for p in range(len(pairs)) if shares_prompt(pairs, p))
         sq = sum(len(r["chosen_ids"]) ** 2 + len(r["rejected_ids"]) ** 2 for r in result.rows)
         out[split] = {"rows_in": len(rows), "pairs": len(result.rows), "normalize_rejected": len(norm.rejections),
                       "tokenize_rejected": len(result.rejections), "tokens": seq_tokens, "shared_prompt_tokens": shared, "sum_len_sq": sq}

@@ -22,8 +22,8 @@ from stages.lib.io import write_parquet
 from stages.lib.modeling import SequenceLogProbs, load_causal_lm
 from stages.lib.objectives import ref_logps_table
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_common_args, compute_dtype, disable_dropout, init_distributed, load_stage_tokens,
-                                resolve_model_dir, run_inference, shutdown_distributed, stage_logging)
+from stages.lib.trainer import (TrainSettings, add_common_args, compute_dtype, disable_dropout, init_distributed,
+                                load_stage_tokens, resolve_model_dir, run_inference, shutdown_distributed, stage_logging)
 
 log = logging.getLogger("ref_logps")
 

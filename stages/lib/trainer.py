@@ -266,9 +266,6 @@ class MasterWeightAdamW(torch.optim.AdamW):
         super().__init__([{**g, "params": [masters[id(p)] for p in g["params"]]} for g in groups], **kw)
         self.master_params = [masters[id(p)] for p in self.model_params]
 
-    def master_of(self) -> dict[int, torch.Tensor]:
-        return {id(p): m for p, m in zip(self.model_params, self.master_params)}
-
     @torch.no_grad()
     def grads_to_master(self) -> None:
         dst, src = [], []                      # one foreach copy (few launches) instead of one per tensor
@@ -528,8 +525,10 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.to(env.device)
     masters = None
-    if compute_dtype(settings) != torch.float32:   # keep the fp32 values as the optimizer's masters, then cast
-        masters = {id(p): p.detach().clone() for p in module.parameters()}
+    if compute_dtype(settings) != torch.float32:
+        # The fp32 values become the optimizer's masters (it makes its own copies). `.to(dtype)` gives each
+        # parameter new bf16 data and these views keep the old fp32 storage alive until then: no extra copy.
+        masters = {id(p): p.detach() for p in module.parameters()}
         module.to(dtype=compute_dtype(settings))
     objective.to(env.device)
     model = wrap_model(module, hf, settings, env)
