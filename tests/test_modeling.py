@@ -12,7 +12,7 @@ from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, referen
                             token_row, write_token_parquet)
 from stages.lib.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewards, load_causal_lm,
                                  load_reward_model)
-from stages.lib.packing import build_packed_batch, load_token_pairs, pack_micro_batches
+from stages.lib.packing import BatchDims, build_packed_batch, load_token_pairs, pack_micro_batches, pad_packed_batch
 from stages.lib.trainer import model_inputs as batch_inputs   # the trainer's own batch -> forward mapping
 
 torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
@@ -164,3 +164,32 @@ def test_loaders_refuse_the_wrong_head(tmp_path):
         load_reward_model(tmp_path / "cls3")
     reloaded = load_reward_model(tmp_path / "rm")   # an RM directory reloads with its trained head
     torch.testing.assert_close(reloaded.score.weight, rm.score.weight)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_padded_batch_gives_the_same_outputs_and_gradients(tmp_path, share_prompt):
+    """What a CUDA-graph step computes (a batch padded to its shape) equals the unpadded batch: same log-probs and
+    rewards for the real pairs, finite filler outputs, the same gradients under zero filler weights."""
+    rows = random_rows(5, seed=21)
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    batch = build_packed_batch(pairs, [4, 1, 3], share_prompt=share_prompt)
+    t, c = batch.computed_tokens, int(batch.logp_positions.shape[0])
+    k = int(batch.kv_index.shape[0]) if batch.kv_index is not None else t
+    shape = BatchDims(tokens=t + 6, keys=k + 6 + (3 if share_prompt else 0), logp_tokens=c + 5, pairs=6,
+                      max_q=max(batch.max_seqlen, 6) + 2, max_k=max(batch.max_seqlen_k, batch.max_seqlen, 6) + 2)
+    padded = pad_packed_batch(batch, shape)
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    for module in (SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=7),
+                   SequenceRewards(load_reward_model(model_dir))):
+        module.zero_grad()
+        want = module(**batch_inputs(batch))
+        (want * torch.linspace(-1, 1, 6, dtype=want.dtype)).sum().backward()
+        want_grads = {n: p.grad.clone() for n, p in module.named_parameters()}
+        module.zero_grad()
+        got = module(**batch_inputs(padded))
+        assert got.shape == (12,) and torch.isfinite(got).all()
+        torch.testing.assert_close(got[:6], want, rtol=0, atol=1e-6)
+        weights = torch.cat([torch.linspace(-1, 1, 6, dtype=got.dtype), torch.zeros(6, dtype=got.dtype)])
+        (got * weights).sum().backward()
+        for n, p in module.named_parameters():
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-7, msg=n)

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from engine_helpers import random_rows, token_row, write_token_parquet
-from stages.lib.packing import (TokenDataError, assign_pairs_to_ranks, build_packed_batch, load_token_pairs,
-                                pack_micro_batches, plan_inference, plan_training)
+from stages.lib.packing import (BatchDims, TokenDataError, assign_pairs_to_ranks, batch_dims, build_packed_batch,
+                                load_token_pairs, pack_micro_batches, pad_packed_batch, plan_inference,
+                                plan_padded_shapes, plan_training, shared_prompt_flags)
 
 
 def test_load_token_pairs_interleaves_chosen_and_rejected(tmp_path):
@@ -140,3 +141,84 @@ def test_shared_prompt_layout_gathers_prompt_keys_for_the_rejected_completion(tm
     assert unshared.kv_index is None and unshared.cu_seqlens_k is None and unshared.computed_tokens == 12
     nothing_shared = build_packed_batch(pairs, [1], share_prompt=True)
     assert nothing_shared.kv_index is None and nothing_shared.input_ids.tolist() == [[30, 31, 32, 39, 33]]
+
+
+def dims_of(batch) -> BatchDims:
+    keys = batch.kv_index.shape[0] if batch.kv_index is not None else batch.computed_tokens
+    return BatchDims(tokens=batch.computed_tokens, keys=int(keys), logp_tokens=int(batch.logp_positions.shape[0]),
+                     pairs=int(batch.pair_index.shape[0]), max_q=batch.max_seqlen,
+                     max_k=batch.max_seqlen_k if batch.kv_index is not None else batch.max_seqlen)
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_batch_dims_predict_the_built_batch(tmp_path, share_prompt):
+    rows = random_rows(12, seed=11)
+    rows.append(token_row("differs", [5, 6, 7, 8], 2, [9, 6, 7], 2))      # prompts differ: laid out unshared
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    flags = shared_prompt_flags(pairs, share_prompt)
+    assert flags.sum() == (12 if share_prompt else 0)
+    for mb in ([0], [12], [3, 12, 5], list(range(13)), [12, 1]):
+        assert batch_dims(pairs, mb, flags) == dims_of(build_packed_batch(pairs, mb, share_prompt=share_prompt)), mb
+
+
+def test_padded_shape_plan_covers_every_batch_and_is_deterministic():
+    rng = np.random.default_rng(3)
+    dims = []
+    for _ in range(200):
+        t = int(rng.integers(100, 3000))
+        dims.append(BatchDims(tokens=t, keys=t + int(rng.integers(0, t // 2)), logp_tokens=int(t * rng.uniform(.2, .6)),
+                              pairs=int(rng.integers(1, 9)), max_q=int(rng.integers(50, 400)),
+                              max_k=int(rng.integers(400, 800))))
+    shapes, shape_of = plan_padded_shapes(dims, 6, logp_weight=0.4)
+    assert 1 < len(shapes) <= 6 and len(shape_of) == len(dims)
+    assert all(shapes[a].fits(d) for d, a in zip(dims, shape_of))
+    assert (shapes, shape_of) == plan_padded_shapes(dims, 6, logp_weight=0.4)
+    padded = sum(shapes[a].tokens for a in shape_of)
+    real = sum(d.tokens for d in dims)
+    assert padded < 1.25 * real                  # 6 shapes over uniform lengths: a few % of padding each
+    one, one_of = plan_padded_shapes(dims, 1, logp_weight=0.4)
+    assert len(one) == 1 and one[0].tokens == max(d.tokens for d in dims) and set(one_of) == {0}
+    # identical batches need one shape, padded by nothing but the trash pair
+    same, _ = plan_padded_shapes([dims[0]] * 50, 8, logp_weight=0.4)
+    assert len(same) == 1 and same[0].tokens == dims[0].tokens and same[0].pairs == dims[0].pairs + 1
+
+
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_padding_keeps_every_real_token_boundary_and_target(tmp_path, share_prompt):
+    rows = random_rows(8, seed=12)
+    rows.append(token_row("differs", [5, 6, 7, 8], 2, [9, 6, 7], 2))
+    pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
+    b = build_packed_batch(pairs, [8, 2, 5], share_prompt=share_prompt)
+    d = dims_of(b)
+    extra_keys = 7 if share_prompt else 0
+    shape = BatchDims(tokens=d.tokens + 5, keys=d.keys + 5 + extra_keys, logp_tokens=d.logp_tokens + 4,
+                      pairs=d.pairs + 3, max_q=d.max_q + 1, max_k=max(d.max_k, 7) + 1)
+    p = pad_packed_batch(b, shape)
+    assert dims_of(p) == shape
+    t, s = d.tokens, 2 * d.pairs
+    assert torch.equal(p.input_ids[0, :t], b.input_ids[0]) and torch.equal(p.position_ids[0, :t], b.position_ids[0])
+    assert torch.equal(p.position_ids[0, t:], torch.arange(5))
+    assert torch.equal(p.cu_seqlens[:s + 1], b.cu_seqlens)
+    q_lens = p.cu_seqlens.diff().tolist()
+    assert q_lens[s:] == [5, 0, 0, 0, 0, 0]                # the trash pair's chosen = the pad tokens, rest empty
+    assert torch.equal(p.pair_weight, torch.tensor([1.0] * 3 + [0.0] * 3))
+    assert torch.equal(p.logp_seq[d.logp_tokens:], torch.full((4,), s))
+    for name in ("logp_positions", "logp_targets", "logp_seq", "last_positions", "pair_index"):
+        got, want = getattr(p, name), getattr(b, name)
+        assert torch.equal(got[:want.shape[0]], want), name
+    if share_prompt:
+        assert torch.equal(p.kv_index[:d.keys], b.kv_index)
+        assert torch.equal(p.kv_index[d.keys:d.keys + 5], torch.arange(t, t + 5))   # pad queries see themselves
+        assert p.cu_seqlens_k.diff().tolist()[s:] == [5, 7, 0, 0, 0, 0]
+    else:
+        assert p.kv_index is None and p.cu_seqlens_k is None
+    # an unshared batch padded to a shape with spare keys gets an identity kv_index
+    if share_prompt:
+        lone = build_packed_batch(pairs, [8], share_prompt=True)
+        assert lone.kv_index is None
+        q = pad_packed_batch(lone, BatchDims(tokens=lone.computed_tokens + 2, keys=lone.computed_tokens + 4,
+                                             logp_tokens=int(lone.logp_positions.shape[0]), pairs=2, max_q=8, max_k=8))
+        assert torch.equal(q.kv_index[:lone.computed_tokens], torch.arange(lone.computed_tokens))
+    with pytest.raises(ValueError, match="does not fit"):
+        pad_packed_batch(b, BatchDims(tokens=d.tokens, keys=d.keys, logp_tokens=d.logp_tokens, pairs=d.pairs,
+                                      max_q=d.max_q, max_k=d.max_k))      # no room for the trash pair

@@ -381,3 +381,64 @@ def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
     assert np.isfinite(log.loss).all() and log.loss.iloc[-1] < log.loss.iloc[0]
     weights = load_file(assets / "rm" / "model" / "model.safetensors")
     assert {t.dtype for t in weights.values()} == {torch.float32}
+
+
+# ----------------------------------------------------------------------------------------------
+# The CUDA-graph step's optimizer body (capture itself is tested on a GPU: tests/test_gpu.py)
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("master", [False, True])
+def test_graph_optimizer_step_equals_the_eager_step(master):
+    """graphed_optimizer_step (device-tensor learning rate, persistent zeroed gradients, the metric row) updates
+    as the eager path's clip + AdamW(fused).step() + zero_grad, step after step, with a changing LR."""
+    from stages.lib.trainer import (DistEnv, MasterWeightAdamW, build_optimizer, graphed_optimizer_step,
+                                    total_grad_norm)
+    settings = TrainSettings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16" if master else "autocast")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    models, opts = [], []
+    for _ in range(2):
+        m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+        m.load_state_dict(base.state_dict())
+        masters = None
+        if master:
+            masters = {id(p): p.detach() for p in m.parameters()}
+            m.to(torch.bfloat16)
+        opt = build_optimizer(m, settings, env, masters)
+        for g in opt.param_groups:
+            g["fused"] = True                  # the CUDA configuration (fused AdamW runs on CPU too)
+        models.append(m)
+        opts.append(opt)
+    assert isinstance(opts[1], MasterWeightAdamW) == master
+    dtype = torch.bfloat16 if master else torch.float32
+    lrs = [torch.zeros((), dtype=torch.float32) for _ in opts[1].param_groups]
+    sums, row = torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+    for step, lr in enumerate([1e-2, 5e-3, 2e-2]):
+        x = torch.randn(5, 8, dtype=dtype)
+        for k, (m, opt) in enumerate(zip(models, opts)):
+            for g in opt.param_groups:
+                g["lr"] = lr
+            m(x).float().square().mean().backward()
+            if k == 0:                         # the eager trainer's step
+                if master:
+                    opt.grads_to_master()
+                norm = total_grad_norm(opt.master_params if master else m.parameters(), settings.max_grad_norm)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                for t, g in zip(lrs, opt.param_groups):
+                    t.fill_(g["lr"])
+                sums += torch.tensor([1.0, 2.0 * step], dtype=torch.float64)
+                graphed_optimizer_step(opt, m, settings, lrs, sums, row)
+                assert row[:2].tolist() == [1.0, 2.0 * step] and sums.abs().sum() == 0
+                assert float(row[2]) == pytest.approx(float(norm), rel=1e-6)
+                assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in m.parameters())
+        # Equal up to the learning rate's float32 rounding (a tensor lr is float32, a Python lr float64).
+        for a, b in zip(models[0].parameters(), models[1].parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        sa, sb = opts[0].state_dict(), opts[1].state_dict()
+        assert set(sa["state"]) == set(sb["state"])
+        for i, st in sa["state"].items():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                torch.testing.assert_close(st[key], sb["state"][i][key], rtol=1e-6, atol=1e-9, msg=key)

@@ -114,6 +114,8 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
             qs = q[q_bounds[i]:q_bounds[i + 1]].transpose(0, 1)        # [H, Lq, D]
             ks, vs = (x[k_bounds[i]:k_bounds[i + 1]].transpose(0, 1) for x in (k, v))
             lq, lk = qs.shape[1], ks.shape[1]
+            if lq == 0:             # an empty segment (a padded batch's filler sequence) has no output rows
+                continue
             if lq == lk:
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scaling, enable_gqa=n_rep > 1)
             else:
@@ -164,7 +166,9 @@ def completion_token_logps(hidden: torch.Tensor, weight: torch.Tensor, bias: tor
     for start in range(0, hidden.shape[0], chunk_tokens):
         args = (hidden[start:start + chunk_tokens], weight, bias, targets[start:start + chunk_tokens])
         if torch.is_grad_enabled():
-            outs.append(checkpoint(chunk_fn, *args, use_reentrant=False))
+            # The chunk is deterministic (no dropout): skipping the RNG save/restore also keeps it capturable
+            # in a CUDA graph (trainer's graphed step).
+            outs.append(checkpoint(chunk_fn, *args, use_reentrant=False, preserve_rng_state=False))
         else:
             outs.append(chunk_fn(*args))
     return torch.cat(outs) if outs else hidden.new_zeros(0, dtype=torch.float32)

@@ -42,6 +42,7 @@ import resource
 import shutil
 import sys
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -57,8 +58,9 @@ from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_
                                    reference_of, run_header, save_checkpoint)
 from stages.lib.io import write_json, write_jsonl, write_text
 from stages.lib.modeling import USED_BACKENDS, attention_backend
-from stages.lib.packing import (MicroBatch, PackedBatch, StepPlan, TokenPairs, build_packed_batch, plan_inference,
-                                plan_training)
+from stages.lib.packing import (BatchDims, MicroBatch, PackedBatch, StepPlan, TokenPairs, batch_dims, build_packed_batch,
+                                pad_packed_batch, plan_inference, plan_padded_shapes, plan_training,
+                                shared_prompt_flags)
 
 log = logging.getLogger("trainer")
 
@@ -96,6 +98,7 @@ class TrainSettings:
     compile: bool = False              # torch.compile the log-prob chunk function
     precision: str = "autocast"        # GPU: autocast = fp32 weights + bf16 autocast; bf16 = bf16 weights, fp32 master
     share_prompt: bool = True          # compute a pair's shared prompt once (packing.PackedBatch)
+    cuda_graphs: int = 8               # GPU, one process: at most N padded batch shapes replayed as CUDA graphs; 0 = eager
     activation_checkpointing: bool = False
     save_every: int = 0                # checkpoint every N optimizer steps (and after the last); 0 = never
     keep_checkpoints: int = 2          # complete checkpoints of a run kept on disk (the newest ones)
@@ -110,6 +113,8 @@ class TrainSettings:
             raise TrainConfigError(f"train.precision = {self.precision!r}: expected autocast or bf16")
         if self.schedule not in ("cosine", "linear", "constant"):
             raise TrainConfigError(f"train.schedule = {self.schedule!r}: expected cosine, linear or constant")
+        if self.cuda_graphs < 0:
+            raise TrainConfigError(f"train.cuda_graphs = {self.cuda_graphs}: expected >= 0 (0 = no CUDA graphs)")
         if self.save_every < 0 or self.keep_checkpoints < 1:
             raise TrainConfigError(f"train.save_every = {self.save_every} (>= 0) / train.keep_checkpoints = "
                                    f"{self.keep_checkpoints} (>= 1) out of range")
@@ -348,14 +353,18 @@ def total_grad_norm(params, max_norm: float) -> torch.Tensor:
 # ----------------------------------------------------------------------------------------------
 
 def prefetch_batches(pairs: TokenPairs, micro_batches: Iterable[MicroBatch], pin: bool, share_prompt: bool,
-                     depth: int = 8) -> Iterator[PackedBatch]:
-    def build(mb: MicroBatch) -> PackedBatch:
+                     depth: int = 8, pad_to: Iterable[BatchDims] | None = None) -> Iterator[PackedBatch]:
+    """pad_to: one shape per micro-batch (CUDA graphs): each batch is padded to it here, off the critical path."""
+    def build(mb: MicroBatch, shape: BatchDims | None) -> PackedBatch:
         batch = build_packed_batch(pairs, mb, share_prompt=share_prompt)
+        if shape is not None:
+            batch = pad_packed_batch(batch, shape)
         return batch.pin_memory() if pin else batch
+    shapes = iter(pad_to) if pad_to is not None else None
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="pack") as pool:
         pending = []
         for mb in micro_batches:
-            pending.append(pool.submit(build, mb))
+            pending.append(pool.submit(build, mb, next(shapes) if shapes is not None else None))
             if len(pending) > depth:
                 yield pending.pop(0).result()
         for fut in pending:
@@ -413,6 +422,89 @@ def run_inference(model: nn.Module, pairs: TokenPairs, env: DistEnv, settings: T
     if not (seen == 1).all():
         raise RuntimeError(f"{desc}: pairs scored {seen.min()}..{seen.max()} times; every pair must be scored once")
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# One micro-batch's forward/backward, and the optimizer step of the CUDA-graph path
+# ----------------------------------------------------------------------------------------------
+
+def forward_backward(model: nn.Module, objective, settings: TrainSettings, env: DistEnv, batch: PackedBatch,
+                     scale: float | torch.Tensor, sums: torch.Tensor) -> None:
+    """loss = sum(pair losses * weight) * scale; backward (gradients accumulate); sums += weighted metrics.
+    scale is world_size / global pairs: a float eagerly, a 0-dim device tensor inside a CUDA graph."""
+    with autocast(env, settings):
+        seq_out = model(**model_inputs(batch))
+    losses, metrics = objective.pair_terms(seq_out, batch, "train")
+    loss = (losses * batch.pair_weight.to(losses.dtype)).sum() * (
+        scale.to(losses.dtype) if isinstance(scale, torch.Tensor) else scale)
+    torch._assert_async(torch.isfinite(loss), "non-finite loss")
+    loss.backward()
+    sums += (metrics * batch.pair_weight[:, None].to(metrics.dtype)).sum(0)
+
+
+def cuda_graphs_unavailable(settings: TrainSettings, env: DistEnv) -> str | None:
+    """Why this run trains eagerly (None: the step runs as CUDA graphs)."""
+    if settings.cuda_graphs == 0:
+        return "train.cuda_graphs is 0"
+    if env.device.type != "cuda":
+        return "not a CUDA run"
+    if env.world_size > 1 or settings.parallel != "ddp":
+        return "more than one process (DDP/FSDP2 collectives are not captured)"
+    if settings.compile:
+        return "train.compile is on"
+    if settings.activation_checkpointing:
+        return "train.activation_checkpointing is on"
+    return None
+
+
+@torch.no_grad()
+def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor]) -> None:
+    """The fused AdamW update of every group, reading each group's learning rate from a device tensor
+    (a captured graph cannot take a new Python float each step). Same kernel and state layout as
+    optimizer.step() with fused=True, so checkpoints are interchangeable."""
+    from torch.optim.adamw import adamw as functional_adamw
+    for group, lr in zip(optimizer.param_groups, lrs):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        if group.get("amsgrad") or group.get("maximize"):
+            raise TrainConfigError("CUDA-graph AdamW supports neither amsgrad nor maximize")
+        for p in params:
+            state = optimizer.state[p]
+            if not state:       # what AdamW(fused=True) creates on its first step
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [optimizer.state[p] for p in params]
+        functional_adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                         foreach=False, capturable=True, differentiable=False, fused=True, grad_scale=None,
+                         found_inf=None, has_complex=False, amsgrad=False, beta1=group["betas"][0],
+                         beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
+                         maximize=False)
+
+
+def graphed_optimizer_step(optimizer, module: nn.Module, settings: TrainSettings, lrs: list[torch.Tensor],
+                           sums: torch.Tensor, row: torch.Tensor) -> None:
+    """The optimizer step of the CUDA-graph path (capturable: no host syncs, no allocation that outlives it):
+    clip, row = [metric sums, grad norm], AdamW, zero the persistent gradients."""
+    master = isinstance(optimizer, MasterWeightAdamW)
+    if master:
+        optimizer.grads_to_master()
+        params = optimizer.master_params
+    else:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = total_grad_norm(params, settings.max_grad_norm)
+    torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+    with torch.no_grad():
+        row[:-1].copy_(sums)
+        row[-1:].copy_(grad_norm.reshape(1))
+        sums.zero_()
+    adamw_step_lr_tensor(optimizer, lrs)
+    with torch.no_grad():
+        if master:
+            torch._foreach_copy_(optimizer.model_params, optimizer.master_params)
+        torch._foreach_zero_([p.grad for p in module.parameters() if p.grad is not None])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -579,9 +671,33 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     # -- the loop ----------------------------------------------------------------------------------
     model.train()
     filler = filler_batch(train_pairs, settings.share_prompt).to(env.device)
-    my_micro_batches = (mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank])
+    my_micro_batches = [mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank]]
+    graphs, graph_info = None, {"enabled": False, "reason": cuda_graphs_unavailable(settings, env)}
+    pad_to = None
+    if graph_info["reason"] is None:
+        from stages.lib.graphs import StepGraphs
+        # Shapes from this run's own plan; the LM head's cost per log-prob token weighs log-prob padding.
+        head = hf.get_output_embeddings() if objective.head == "lm_head" else None
+        logp_weight = head.weight.numel() / max(1, n_params - head.weight.numel()) if head is not None else 0.0
+        flags = shared_prompt_flags(train_pairs, settings.share_prompt)
+        dims = [batch_dims(train_pairs, mb, flags) for mb in my_micro_batches]
+        shapes, shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight)
+        pad_to = [shapes[a] for a in shape_of]
+        graph_scale = torch.zeros((), dtype=torch.float64, device=env.device)
+        graph_sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
+        graph_row = torch.zeros(len(objective.metric_names) + 1, dtype=torch.float64, device=env.device)
+        graph_lrs = [torch.zeros((), dtype=torch.float32, device=env.device) for _ in optimizer.param_groups]
+        graphs = StepGraphs(
+            env.device,
+            fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, graph_scale, graph_sums),
+            optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, graph_lrs, graph_sums, graph_row))
+        graph_info = {"enabled": True, "shapes": [asdict(s) for s in shapes],
+                      "padded_tokens": int(sum(s.tokens for s in pad_to)),
+                      "real_tokens": int(sum(d.tokens for d in dims))}
+        shape_ids = iter(shape_of)
+        graphs.stream.wait_stream(torch.cuda.current_stream(env.device))
     batches = prefetch_batches(train_pairs, my_micro_batches, pin=env.device.type == "cuda",
-                               share_prompt=settings.share_prompt)
+                               share_prompt=settings.share_prompt, pad_to=pad_to)
     metric_names = objective.metric_names
     progress = _progress_bar(len(plans), state.step, env)
     t_train = time.perf_counter()
@@ -615,50 +731,65 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         pending.clear()
         window.update(t=now, tokens=0)
 
-    for plan in plans[state.step:]:
-        mine = plan.rank_micro_batches[env.rank]
-        n_micro, global_pairs, global_tokens = control_exchange(
-            env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
-        scale = env.world_size / global_pairs
-        lr = scheduler.get_last_lr()[0]
-        sums = torch.zeros(len(metric_names), dtype=torch.float64, device=env.device)
-        for k in range(n_micro):
-            batch = next(batches).to(env.device, non_blocking=True) if k < len(mine) else filler
-            with gradient_sync(model, settings, enabled=k == n_micro - 1):
-                with autocast(env, settings):
-                    seq_out = model(**model_inputs(batch))
-                losses, metrics = objective.pair_terms(seq_out, batch, "train")
-                loss = (losses * batch.pair_weight.to(losses.dtype)).sum() * scale
-                torch._assert_async(torch.isfinite(loss), "non-finite loss")
-                loss.backward()
-            sums += (metrics * batch.pair_weight[:, None].to(metrics.dtype)).sum(0)
-        if isinstance(optimizer, MasterWeightAdamW):
-            optimizer.grads_to_master()        # clip the fp32 master gradients
-            grad_norm = total_grad_norm(optimizer.master_params, settings.max_grad_norm)
-        else:
-            grad_norm = total_grad_norm(model.parameters(), settings.max_grad_norm)
-        torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+    loop_stream = torch.cuda.stream(graphs.stream) if graphs is not None else contextlib.nullcontext()
+    with loop_stream:
+        for plan in plans[state.step:]:
+            mine = plan.rank_micro_batches[env.rank]
+            n_micro, global_pairs, global_tokens = control_exchange(
+                env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
+            scale = env.world_size / global_pairs
+            lr = scheduler.get_last_lr()[0]
+            if graphs is not None:          # one process: no fillers, no collectives
+                graph_scale.fill_(scale)
+                for k in range(n_micro):
+                    graphs.micro_batch(next(shape_ids), next(batches))
+                for t, group in zip(graph_lrs, optimizer.param_groups):
+                    t.fill_(group["lr"])
+                graphs.optimizer_step()
+                values = graph_row.clone()
+                with warnings.catch_warnings():   # the step ran, just not through optimizer.step()
+                    warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
+                    scheduler.step()
+            else:
+                sums = torch.zeros(len(metric_names), dtype=torch.float64, device=env.device)
+                for k in range(n_micro):
+                    batch = next(batches).to(env.device, non_blocking=True) if k < len(mine) else filler
+                    with gradient_sync(model, settings, enabled=k == n_micro - 1):
+                        forward_backward(model, objective, settings, env, batch, scale, sums)
+                if isinstance(optimizer, MasterWeightAdamW):
+                    optimizer.grads_to_master()        # clip the fp32 master gradients
+                    grad_norm = total_grad_norm(optimizer.master_params, settings.max_grad_norm)
+                else:
+                    grad_norm = total_grad_norm(model.parameters(), settings.max_grad_norm)
+                torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                dist.all_reduce(sums)
+                values = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)])
 
-        dist.all_reduce(sums)
-        state.step += 1
-        state.tokens += global_tokens
-        window["tokens"] += global_tokens
-        pending.append(({"step": state.step, "epoch": round(plan.epoch_progress, 6), "lr": lr,
-                         "pairs": global_pairs, "tokens": global_tokens},
-                        torch.cat([sums, grad_norm.detach().reshape(1).to(sums)])))
-        progress.update(1)
-        if state.step == len(plans) or state.step % log_every == 0:
-            flush_log()
-        if settings.save_every and (state.step % settings.save_every == 0 or state.step == len(plans)):
-            flush_log()                # the saved log rows must reach exactly this step
-            save_checkpoint(ckpt.directory, header=header, step=state.step, total_steps=len(plans),
-                            trainer_state={"step": state.step, "tokens": state.tokens, "log_rows": state.log_rows},
-                            probe_step0_rows=step0_rows, module=module, optimizer=optimizer, scheduler=scheduler,
-                            settings=settings, env=env, keep=settings.keep_checkpoints)
-            saved_checkpoints.append(state.step)
+            state.step += 1
+            state.tokens += global_tokens
+            window["tokens"] += global_tokens
+            pending.append(({"step": state.step, "epoch": round(plan.epoch_progress, 6), "lr": lr,
+                             "pairs": global_pairs, "tokens": global_tokens}, values))
+            progress.update(1)
+            if state.step == len(plans) or state.step % log_every == 0:
+                flush_log()
+            if settings.save_every and (state.step % settings.save_every == 0 or state.step == len(plans)):
+                flush_log()                # the saved log rows must reach exactly this step
+                save_checkpoint(ckpt.directory, header=header, step=state.step, total_steps=len(plans),
+                                trainer_state={"step": state.step, "tokens": state.tokens, "log_rows": state.log_rows},
+                                probe_step0_rows=step0_rows, module=module, optimizer=optimizer, scheduler=scheduler,
+                                settings=settings, env=env, keep=settings.keep_checkpoints)
+                saved_checkpoints.append(state.step)
+    if graphs is not None:
+        torch.cuda.current_stream(env.device).wait_stream(graphs.stream)
+        graph_info.update(graphs.summary())
+        graphs.release()
+        optimizer.zero_grad(set_to_none=True)      # the persistent gradients are not needed any more
+        for p in module.parameters():
+            p.grad = None
     flush_log()
     progress.close()
     train_seconds = time.perf_counter() - t_train
@@ -683,6 +814,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         "gpu_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
         "parallel": settings.parallel,
         "attention": sorted(USED_BACKENDS),
+        "cuda_graphs": graph_info,
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
         "model_parameters": n_params,
         "train_pairs": len(train_pairs),
