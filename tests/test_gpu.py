@@ -88,3 +88,19 @@ def test_cuda_graph_training_matches_eager_training(tmp_path, objective, precisi
     assert graph_log.loss.iloc[-1] < graph_log.loss.iloc[0]            # it learns
     np.testing.assert_allclose([r["margin"] for r in graph_probe], [r["margin"] for r in eager_probe],
                                rtol=0.1, atol=0.05 * float(np.abs([r["margin"] for r in eager_probe]).mean()))
+
+
+def test_fused_rms_norm_matches_hf_on_gpu_in_bf16(tmp_path):
+    from stages.lib.modeling import FUSABLE_RMS_NORMS
+    model = load_causal_lm(make_tiny_model_dir(tmp_path / "m")).to("cuda", dtype=torch.bfloat16)
+    norm = next(m for m in model.modules() if type(m).__name__ in FUSABLE_RMS_NORMS)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(300, model.config.hidden_size, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fused, hf = norm(x), type(norm).forward(norm, x)
+    torch.testing.assert_close(fused.float(), hf.float(), rtol=2e-2, atol=2e-2)   # bf16 rounding order only
+    g = torch.randn_like(fused)
+    gx_fused, gw_fused = torch.autograd.grad(fused, (x, norm.weight), g)
+    gx_hf, gw_hf = torch.autograd.grad(hf, (x, norm.weight), g)
+    torch.testing.assert_close(gx_fused.float(), gx_hf.float(), rtol=5e-2, atol=5e-2)
+    torch.testing.assert_close(gw_fused.float(), gw_hf.float(), rtol=5e-2, atol=0.5)

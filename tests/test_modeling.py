@@ -193,3 +193,16 @@ def test_padded_batch_gives_the_same_outputs_and_gradients(tmp_path, share_promp
         (got * weights).sum().backward()
         for n, p in module.named_parameters():
             torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_rms_norms_are_routed_to_the_fused_kernel_and_unchanged_on_cpu(tmp_path, arch):
+    from stages.lib.modeling import FUSABLE_RMS_NORMS
+    model_dir = make_tiny_model_dir(tmp_path / "m", arch=arch)
+    for model in (load_causal_lm(model_dir), load_reward_model(model_dir)):
+        norms = [m for m in model.modules() if type(m).__name__ in FUSABLE_RMS_NORMS]
+        assert len(norms) == 2 * model.config.num_hidden_layers + 1
+        assert all("forward" in vars(m) for m in norms)            # the instance routes through the fused path
+        x = torch.randn(5, model.config.hidden_size)
+        for m in norms[:2]:                                         # CPU: HF's own forward, bit for bit
+            assert torch.equal(m(x), type(m).forward(m, x))
