@@ -75,14 +75,33 @@ def matmul_peak_tflops() -> float | None:
 # Workload: HH pairs -> our token parquet; a random-init model directory
 # ------------------------------------------------------------------------------------------------
 
-def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length: int, work: Path) -> dict:
+def hh_lines(hh: Path, concat: int = 1) -> list[str]:
+    """HH-RLHF rows as JSONL lines. concat K > 1: "long concatenations": row j becomes rows j..j+K-1 as one
+    dialogue, the chosen transcripts of the first K-1 as shared context, then row j+K-1's chosen / rejected
+    (still HH format: the last Assistant turn is the completion)."""
+    lines = gzip.open(hh, "rt").read().splitlines()
+    if concat <= 1:
+        return lines
+    rows = [json.loads(l) for l in lines]
+    out = []
+    for j in range(len(rows) - concat + 1):
+        context = "".join(r["chosen"] for r in rows[j:j + concat - 1])
+        last = rows[j + concat - 1]
+        out.append(json.dumps({"chosen": context + last["chosen"], "rejected": context + last["rejected"]}))
+    return out
+
+
+def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length: int, work: Path,
+                   concat: int = 1) -> dict:
     from stages.lib.io import write_parquet
     from stages.lib.packing import load_token_pairs, shares_prompt
     from stages.normalize import normalize_sources
     from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs, tokens_table
 
-    lines = gzip.open(hh, "rt").read().splitlines()
+    lines = hh_lines(hh, concat)
     subsets = {"train": lines[:n_pairs], "probe": lines[-n_probe:]}   # probe far from the train rows
+    with gzip.open(work / "trl_train.jsonl.gz", "wt") as f:          # exactly the train rows, for the TRL runner
+        f.write("\n".join(subsets["train"]) + "\n")
     tok = PairTokenizer(load_tokenizer(gpt2))
     # TRL truncates sequences to max_length; ours keeps the prompt and cuts the completion to fit.
     limits = TokenizeLimits(max_length, max_length - 64, "truncate_completion")
@@ -151,6 +170,32 @@ def run_ours(work: Path, model_dir: Path, params: dict, out: Path) -> dict:
     return res
 
 
+ANCHOR_SHAPE = "hidden_size=896, intermediate_size=4864, num_hidden_layers=layers, num_attention_heads=14"
+ANCHOR_DATA = '"../shared/data/hh-rlhf/harmless-base-test.jsonl.gz"'
+
+
+def patched_trl_anchor(anchor: Path, shape: str, max_length: int, data: Path | None, dest: Path) -> Path:
+    """The TRL anchor with only its workload changed: model shape, max_length (and its token-count cap),
+    and the train rows file. Every substitution must hit, so a changed anchor fails loudly here."""
+    text = anchor.read_text()
+    subs = []
+    if shape != "qwen2.5-0.5b":
+        sh = SHAPES[shape]
+        subs.append((ANCHOR_SHAPE, f"hidden_size={sh['hidden_size']}, intermediate_size={sh['intermediate_size']}, "
+                                   f"num_hidden_layers=layers, num_attention_heads={sh['num_attention_heads']}"))
+    if max_length != 1024:
+        subs += [("max_length=1024", f"max_length={max_length}"), (", 1024)", f", {max_length})"),
+                 ("max_position_embeddings=4096", f"max_position_embeddings={max(4096, max_length)}")]
+    if data is not None:
+        subs.append((ANCHOR_DATA, json.dumps(str(data))))
+    for old, new in subs:
+        if old not in text:
+            raise SystemExit(f"{anchor}: cannot patch the TRL anchor (no {old!r}); update bench/gpu_bench.py")
+        text = text.replace(old, new)
+    dest.write_text(text)
+    return dest
+
+
 def run_trl(mode: str, n_pairs: int, shared: Path, wheels_site: str | None, out: Path, script: Path | None = None,
             layers: int | None = None) -> dict:
     # trl_anchor.py reads ../shared/data relative to its cwd: give it a sibling of `shared`.
@@ -183,8 +228,9 @@ def main(argv=None) -> None:
     ap.add_argument("--max-length", type=int, default=1024)
     ap.add_argument("--modes", default="ours,trl")
     ap.add_argument("--trl-site", help="a directory with trl/datasets installed (pip --target)")
-    ap.add_argument("--trl-script", help="another TRL runner than ../shared/bench/trl_anchor.py (e.g. the anchor "
-                    "with the 1.5B shape substituted, see the README)")
+    ap.add_argument("--trl-script", help="another TRL runner than ../shared/bench/trl_anchor.py (default: the anchor, "
+                    "patched to --shape / --max-length / --concat when they differ from its own)")
+    ap.add_argument("--concat", type=int, default=1, help="long concatenations: each pair = K consecutive HH dialogues")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="params overrides, e.g. train.compile=true")
     ap.add_argument("--work", default="/tmp/prefpipe_bench")
     args = ap.parse_args(argv)
@@ -202,13 +248,13 @@ def main(argv=None) -> None:
 
     cuda = torch.cuda.is_available()
     result = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__, "shape": args.shape,
-              "pairs": args.pairs, "max_length": args.max_length,
+              "pairs": args.pairs, "max_length": args.max_length, "concat": args.concat,
               "command": "python bench/gpu_bench.py " + " ".join(argv if argv is not None else sys.argv[1:])}
     import transformers
     result["transformers"] = transformers.__version__
     peak_tflops = matmul_peak_tflops()
     result["matmul_peak_tflops"] = round(peak_tflops, 1) if peak_tflops else None
-    result["workload"] = prepare_tokens(hh, gpt2, args.pairs, args.probe_pairs, args.max_length, work)
+    result["workload"] = prepare_tokens(hh, gpt2, args.pairs, args.probe_pairs, args.max_length, work, args.concat)
     model_dir, n_params, shape = make_model(args.shape, gpt2, work)
     result["model_parameters"] = n_params
     overrides = {"train.gpus": 1 if cuda else 0, "train.epochs": 1, "train.global_batch_pairs": 8, "train.lr": 5e-7,
@@ -245,21 +291,30 @@ def main(argv=None) -> None:
                          "mfu_hw": round(fl_hw / secs / peak, 4) if cuda else None, "computed_tokens": computed,
                          "peak_mem_gib": round(max(info["peak_memory_bytes_per_rank"]) / 2**30, 2)})
     if "trl" in args.modes:
+        script = Path(args.trl_script).resolve() if args.trl_script else None
+        if script is None and (args.shape != "qwen2.5-0.5b" or args.max_length != 1024 or args.concat > 1):
+            script = patched_trl_anchor(shared / "bench" / "trl_anchor.py", args.shape, args.max_length,
+                                        work / "trl_train.jsonl.gz" if args.concat > 1 else None,
+                                        shared / "bench" / "trl_anchor_patched.py")
         for mode in ("dpo_tuned", "rm_tuned"):
-            t = run_trl(mode, args.pairs, shared, args.trl_site, logs, Path(args.trl_script).resolve()
-                        if args.trl_script else None, SHAPES[args.shape]["num_hidden_layers"])
+            try:
+                t = run_trl(mode, args.pairs, shared, args.trl_site, logs, script, SHAPES[args.shape]["num_hidden_layers"])
+            except SystemExit as e:           # e.g. TRL out of memory at a long max_length: record it, go on
+                result[f"trl_{mode}"] = {"error": str(e)[-3000:]}
+                save_partial()
+                rows.append({"mode": f"trl_{mode}", "error": "failed (see trl_*.out)"})
+                continue
             result[f"trl_{mode}"] = t
             save_partial()
             rows.append({"mode": f"trl_{mode}", "seconds": t["train_s"], "tokens": t["counted_tokens"],
                          "tokens_per_s": t["tokens_per_s"], "pairs_per_s": t["pairs_per_s"], "mfu": None,
                          "peak_mem_gib": t["peak_mem_gib"]})
-    by = {r["mode"]: r for r in rows}
-    if "ours_dpo" in by and "trl_dpo_tuned" in by:
-        result["ratio_dpo"] = round(by["ours_dpo"]["tokens_per_s"] / by["trl_dpo_tuned"]["tokens_per_s"], 2)
-        result["ratio_rm"] = round(by["ours_rm"]["tokens_per_s"] / by["trl_rm_tuned"]["tokens_per_s"], 2)
-        for r in rows:
-            base_mode = "trl_dpo_tuned" if "dpo" in r["mode"] else "trl_rm_tuned"
-            r["ratio_to_trl"] = round(r["tokens_per_s"] / by[base_mode]["tokens_per_s"], 2)
+    by = {r["mode"]: r for r in rows if "tokens_per_s" in r}
+    for kind in ("dpo", "rm"):
+        ours, trl = by.get(f"ours_{kind}"), by.get(f"trl_{kind}_tuned")
+        if ours and trl:
+            result[f"ratio_{kind}"] = round(ours["tokens_per_s"] / trl["tokens_per_s"], 2)
+            ours["ratio_to_trl"], trl["ratio_to_trl"] = result[f"ratio_{kind}"], 1.0
     if "ours_dpo" in by:
         result["mfu_dpo"] = by["ours_dpo"]["mfu"]
         result["mfu_rm"] = by["ours_rm"]["mfu"]
