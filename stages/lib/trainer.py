@@ -458,10 +458,12 @@ def cuda_graphs_unavailable(settings: TrainSettings, env: DistEnv) -> str | None
 
 
 @torch.no_grad()
-def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor]) -> None:
+def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor],
+                         grad_divisor: torch.Tensor | None = None) -> None:
     """The fused AdamW update of every group, reading each group's learning rate from a device tensor
     (a captured graph cannot take a new Python float each step). Same kernel and state layout as
-    optimizer.step() with fused=True, so checkpoints are interchangeable."""
+    optimizer.step() with fused=True, so checkpoints are interchangeable. grad_divisor: the kernel divides
+    every gradient by it on the fly (its AMP unscale input), which is how the clip is applied here."""
     from torch.optim.adamw import adamw as functional_adamw
     for group, lr in zip(optimizer.param_groups, lrs):
         params = [p for p in group["params"] if p.grad is not None]
@@ -478,7 +480,7 @@ def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor]) 
         states = [optimizer.state[p] for p in params]
         functional_adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
                                 [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
-                         foreach=False, capturable=True, differentiable=False, fused=True, grad_scale=None,
+                         foreach=False, capturable=True, differentiable=False, fused=True, grad_scale=grad_divisor,
                          found_inf=None, has_complex=False, amsgrad=False, beta1=group["betas"][0],
                          beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
                          maximize=False)
@@ -487,24 +489,31 @@ def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor]) 
 def graphed_optimizer_step(optimizer, module: nn.Module, settings: TrainSettings, lrs: list[torch.Tensor],
                            sums: torch.Tensor, row: torch.Tensor) -> None:
     """The optimizer step of the CUDA-graph path (capturable: no host syncs, no allocation that outlives it):
-    clip, row = [metric sums, grad norm], AdamW, zero the persistent gradients."""
+    row = [metric sums, grad norm], clipped AdamW, zero the persistent gradients.
+
+    The norm is that of the model's own gradients (bf16 under precision bf16: the fp32 master copies hold
+    the same values, and reading half the bytes is faster), and the clip coefficient of clip_grad_norm_
+    (max_norm / (norm + 1e-6), at most 1) is applied inside the fused AdamW kernel as a gradient divisor
+    instead of a separate multiply pass over every gradient; equal to the eager step up to rounding."""
     master = isinstance(optimizer, MasterWeightAdamW)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    # per-tensor norms accumulated and returned in fp32 (a bf16 result would keep 3 significant digits)
+    grad_norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+    torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
     if master:
         optimizer.grads_to_master()
-        params = optimizer.master_params
-    else:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = total_grad_norm(params, settings.max_grad_norm)
-    torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+    divisor = None
     with torch.no_grad():
+        if settings.max_grad_norm > 0:
+            divisor = 1.0 / torch.clamp(settings.max_grad_norm / (grad_norm + 1e-6), max=1.0)
         row[:-1].copy_(sums)
         row[-1:].copy_(grad_norm.reshape(1))
         sums.zero_()
-    adamw_step_lr_tensor(optimizer, lrs)
+    adamw_step_lr_tensor(optimizer, lrs, divisor)
     with torch.no_grad():
         if master:
             torch._foreach_copy_(optimizer.model_params, optimizer.master_params)
-        torch._foreach_zero_([p.grad for p in module.parameters() if p.grad is not None])
+        torch._foreach_zero_(grads)
 
 
 # ----------------------------------------------------------------------------------------------
