@@ -25,9 +25,11 @@ the same weights bit for bit on CPU.
 
 Precision: `train.precision: autocast` keeps fp32 weights under bf16 autocast on GPU; `bf16` casts the
 weights to bf16 and keeps fp32 masters in MasterWeightAdamW (FSDP2: MixedPrecisionPolicy instead).
-Seams for later work: `build_optimizer`/`wrap_model`/`SequenceLogProbs(compile_chunks=...)` are where
-speed work plugs in; the step is host-launch bound on small steps (bench/results/step_profile_h200.json),
-so CUDA graphs over bucketed packed lengths are the next lever.
+CUDA graphs (`train.cuda_graphs`, one process on a GPU): the eager step is host-launch bound (~100 ms
+to queue ~3,700 kernels, ~32 ms of GPU work: bench/results/step_profile_h200.json), so each
+micro-batch is padded to one of a few shapes planned from the run and the step replays captured
+graphs (GraphedSteps below, mechanics in graphs.py). Several processes, compile and activation
+checkpointing train eagerly (run_info's `cuda_graphs` says why).
 """
 from __future__ import annotations
 
@@ -516,6 +518,60 @@ def graphed_optimizer_step(optimizer, module: nn.Module, settings: TrainSettings
         torch._foreach_zero_(grads)
 
 
+class GraphedSteps:
+    """The training loop's CUDA-graph path (one process on a GPU; see stages/lib/graphs.py).
+
+    Pads every micro-batch of the run to one of at most train.cuda_graphs shapes planned from the run's
+    own micro-batch sizes (the LM head's cost per log-prob token weighs log-prob padding), and runs each
+    step as forward_backward per micro-batch + graphed_optimizer_step over static device tensors: the
+    loss scale, the metric sums, the step's log row and one learning-rate tensor per parameter group."""
+
+    def __init__(self, model, module, hf, objective, optimizer, settings: TrainSettings, env: DistEnv,
+                 pairs: TokenPairs, micro_batches: list[MicroBatch]):
+        from stages.lib.graphs import StepGraphs
+        head = hf.get_output_embeddings() if objective.head == "lm_head" else None
+        n_params = sum(p.numel() for p in module.parameters())
+        logp_weight = head.weight.numel() / max(1, n_params - head.weight.numel()) if head is not None else 0.0
+        flags = shared_prompt_flags(pairs, settings.share_prompt)
+        dims = [batch_dims(pairs, mb, flags) for mb in micro_batches]
+        shapes, self.shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight)
+        self.pad_to = [shapes[a] for a in self.shape_of]
+        self.shape_ids = iter(self.shape_of)
+        self.optimizer, self.module, self.env = optimizer, module, env
+        device = env.device
+        self.scale = torch.zeros((), dtype=torch.float64, device=device)
+        self.sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
+        self.row = torch.zeros(len(objective.metric_names) + 1, dtype=torch.float64, device=device)
+        self.lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in optimizer.param_groups]
+        self.graphs = StepGraphs(
+            device, fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, self.scale, self.sums),
+            optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, self.lrs, self.sums, self.row))
+        self.info = {"enabled": True, "shapes": [asdict(s) for s in shapes],
+                     "padded_tokens": int(sum(s.tokens for s in self.pad_to)),
+                     "real_tokens": int(sum(d.tokens for d in dims))}
+        self.graphs.stream.wait_stream(torch.cuda.current_stream(device))   # the model and state were made there
+
+    def step(self, n_micro: int, batches: Iterator[PackedBatch], scale: float) -> torch.Tensor:
+        """One optimizer step over the next n_micro (padded) batches -> [metric sums..., grad norm] (device)."""
+        self.scale.fill_(scale)
+        for _ in range(n_micro):
+            self.graphs.micro_batch(next(self.shape_ids), next(batches))
+        for t, group in zip(self.lrs, self.optimizer.param_groups):
+            t.fill_(group["lr"])
+        self.graphs.optimizer_step()
+        return self.row.clone()
+
+    def finish(self) -> dict:
+        """Back to the default stream; free the graphs and the persistent gradients -> run_info's cuda_graphs."""
+        torch.cuda.current_stream(self.env.device).wait_stream(self.graphs.stream)
+        self.info.update(self.graphs.summary())
+        self.graphs.release()
+        self.optimizer.zero_grad(set_to_none=True)
+        for p in self.module.parameters():
+            p.grad = None
+        return self.info
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 # ----------------------------------------------------------------------------------------------
@@ -681,32 +737,11 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     model.train()
     filler = filler_batch(train_pairs, settings.share_prompt).to(env.device)
     my_micro_batches = [mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank]]
-    graphs, graph_info = None, {"enabled": False, "reason": cuda_graphs_unavailable(settings, env)}
-    pad_to = None
-    if graph_info["reason"] is None:
-        from stages.lib.graphs import StepGraphs
-        # Shapes from this run's own plan; the LM head's cost per log-prob token weighs log-prob padding.
-        head = hf.get_output_embeddings() if objective.head == "lm_head" else None
-        logp_weight = head.weight.numel() / max(1, n_params - head.weight.numel()) if head is not None else 0.0
-        flags = shared_prompt_flags(train_pairs, settings.share_prompt)
-        dims = [batch_dims(train_pairs, mb, flags) for mb in my_micro_batches]
-        shapes, shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight)
-        pad_to = [shapes[a] for a in shape_of]
-        graph_scale = torch.zeros((), dtype=torch.float64, device=env.device)
-        graph_sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=env.device)
-        graph_row = torch.zeros(len(objective.metric_names) + 1, dtype=torch.float64, device=env.device)
-        graph_lrs = [torch.zeros((), dtype=torch.float32, device=env.device) for _ in optimizer.param_groups]
-        graphs = StepGraphs(
-            env.device,
-            fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, graph_scale, graph_sums),
-            optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, graph_lrs, graph_sums, graph_row))
-        graph_info = {"enabled": True, "shapes": [asdict(s) for s in shapes],
-                      "padded_tokens": int(sum(s.tokens for s in pad_to)),
-                      "real_tokens": int(sum(d.tokens for d in dims))}
-        shape_ids = iter(shape_of)
-        graphs.stream.wait_stream(torch.cuda.current_stream(env.device))
+    reason = cuda_graphs_unavailable(settings, env)
+    graphed = (GraphedSteps(model, module, hf, objective, optimizer, settings, env, train_pairs, my_micro_batches)
+               if reason is None else None)
     batches = prefetch_batches(train_pairs, my_micro_batches, pin=env.device.type == "cuda",
-                               share_prompt=settings.share_prompt, pad_to=pad_to)
+                               share_prompt=settings.share_prompt, pad_to=graphed.pad_to if graphed else None)
     metric_names = objective.metric_names
     progress = _progress_bar(len(plans), state.step, env)
     t_train = time.perf_counter()
@@ -740,7 +775,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         pending.clear()
         window.update(t=now, tokens=0)
 
-    loop_stream = torch.cuda.stream(graphs.stream) if graphs is not None else contextlib.nullcontext()
+    loop_stream = torch.cuda.stream(graphed.graphs.stream) if graphed is not None else contextlib.nullcontext()
     with loop_stream:
         for plan in plans[state.step:]:
             mine = plan.rank_micro_batches[env.rank]
@@ -748,14 +783,8 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
                 env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
             scale = env.world_size / global_pairs
             lr = scheduler.get_last_lr()[0]
-            if graphs is not None:          # one process: no fillers, no collectives
-                graph_scale.fill_(scale)
-                for k in range(n_micro):
-                    graphs.micro_batch(next(shape_ids), next(batches))
-                for t, group in zip(graph_lrs, optimizer.param_groups):
-                    t.fill_(group["lr"])
-                graphs.optimizer_step()
-                values = graph_row.clone()
+            if graphed is not None:          # one process: no fillers, no collectives
+                values = graphed.step(n_micro, batches, scale)
                 with warnings.catch_warnings():   # the step ran, just not through optimizer.step()
                     warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step\\(\\)` before")
                     scheduler.step()
@@ -792,13 +821,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
                                 probe_step0_rows=step0_rows, module=module, optimizer=optimizer, scheduler=scheduler,
                                 settings=settings, env=env, keep=settings.keep_checkpoints)
                 saved_checkpoints.append(state.step)
-    if graphs is not None:
-        torch.cuda.current_stream(env.device).wait_stream(graphs.stream)
-        graph_info.update(graphs.summary())
-        graphs.release()
-        optimizer.zero_grad(set_to_none=True)      # the persistent gradients are not needed any more
-        for p in module.parameters():
-            p.grad = None
+    graph_info = graphed.finish() if graphed is not None else {"enabled": False, "reason": reason}
     flush_log()
     progress.close()
     train_seconds = time.perf_counter() - t_train
