@@ -176,7 +176,8 @@ ANCHOR_DATA = '"../shared/data/hh-rlhf/harmless-base-test.jsonl.gz"'
 
 def patched_trl_anchor(anchor: Path, shape: str, max_length: int, data: Path | None, dest: Path) -> Path:
     """The TRL anchor with only its workload changed: model shape, max_length (and its token-count cap),
-    and the train rows file. Every substitution must hit, so a changed anchor fails loudly here."""
+    and the train rows file, written to `dest`; the anchor itself when nothing changes. Every substitution
+    must hit, so a changed anchor fails loudly here."""
     text = anchor.read_text()
     subs = []
     if shape != "qwen2.5-0.5b":
@@ -188,6 +189,8 @@ def patched_trl_anchor(anchor: Path, shape: str, max_length: int, data: Path | N
                  ("max_position_embeddings=4096", f"max_position_embeddings={max(4096, max_length)}")]
     if data is not None:
         subs.append((ANCHOR_DATA, json.dumps(str(data))))
+    if not subs:
+        return anchor                        # the anchor's own workload: run the anchor itself
     for old, new in subs:
         if old not in text:
             raise SystemExit(f"{anchor}: cannot patch the TRL anchor (no {old!r}); update bench/gpu_bench.py")
@@ -291,11 +294,9 @@ def main(argv=None) -> None:
                          "mfu_hw": round(fl_hw / secs / peak, 4) if cuda else None, "computed_tokens": computed,
                          "peak_mem_gib": round(max(info["peak_memory_bytes_per_rank"]) / 2**30, 2)})
     if "trl" in args.modes:
-        script = Path(args.trl_script).resolve() if args.trl_script else None
-        if script is None and (args.shape != "qwen2.5-0.5b" or args.max_length != 1024 or args.concat > 1):
-            script = patched_trl_anchor(shared / "bench" / "trl_anchor.py", args.shape, args.max_length,
-                                        work / "trl_train.jsonl.gz" if args.concat > 1 else None,
-                                        shared / "bench" / "trl_anchor_patched.py")
+        script = Path(args.trl_script).resolve() if args.trl_script else patched_trl_anchor(
+            shared / "bench" / "trl_anchor.py", args.shape, args.max_length,
+            work / "trl_train.jsonl.gz" if args.concat > 1 else None, shared / "bench" / "trl_anchor_patched.py")
         for mode in ("dpo_tuned", "rm_tuned"):
             try:
                 t = run_trl(mode, args.pairs, shared, args.trl_site, logs, script, SHAPES[args.shape]["num_hidden_layers"])

@@ -143,13 +143,6 @@ def test_shared_prompt_layout_gathers_prompt_keys_for_the_rejected_completion(tm
     assert nothing_shared.kv_index is None and nothing_shared.input_ids.tolist() == [[30, 31, 32, 39, 33]]
 
 
-def dims_of(batch) -> BatchDims:
-    keys = batch.kv_index.shape[0] if batch.kv_index is not None else batch.computed_tokens
-    return BatchDims(tokens=batch.computed_tokens, keys=int(keys), logp_tokens=int(batch.logp_positions.shape[0]),
-                     pairs=int(batch.pair_index.shape[0]), max_q=batch.max_seqlen,
-                     max_k=batch.max_seqlen_k if batch.kv_index is not None else batch.max_seqlen)
-
-
 @pytest.mark.parametrize("share_prompt", [False, True])
 def test_batch_dims_predict_the_built_batch(tmp_path, share_prompt):
     rows = random_rows(12, seed=11)
@@ -158,7 +151,7 @@ def test_batch_dims_predict_the_built_batch(tmp_path, share_prompt):
     flags = shared_prompt_flags(pairs, share_prompt)
     assert flags.sum() == (12 if share_prompt else 0)
     for mb in ([0], [12], [3, 12, 5], list(range(13)), [12, 1]):
-        assert batch_dims(pairs, mb, flags) == dims_of(build_packed_batch(pairs, mb, share_prompt=share_prompt)), mb
+        assert batch_dims(pairs, mb, flags) == build_packed_batch(pairs, mb, share_prompt=share_prompt).dims(), mb
 
 
 def test_padded_shape_plan_covers_every_batch_and_is_deterministic():
@@ -189,12 +182,12 @@ def test_padding_keeps_every_real_token_boundary_and_target(tmp_path, share_prom
     rows.append(token_row("differs", [5, 6, 7, 8], 2, [9, 6, 7], 2))
     pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
     b = build_packed_batch(pairs, [8, 2, 5], share_prompt=share_prompt)
-    d = dims_of(b)
+    d = b.dims()
     extra_keys = 7 if share_prompt else 0
     shape = BatchDims(tokens=d.tokens + 5, keys=d.keys + 5 + extra_keys, logp_tokens=d.logp_tokens + 4,
                       pairs=d.pairs + 3, max_q=d.max_q + 1, max_k=max(d.max_k, 7) + 1)
     p = pad_packed_batch(b, shape)
-    assert dims_of(p) == shape
+    assert p.dims() == shape
     t, s = d.tokens, 2 * d.pairs
     assert torch.equal(p.input_ids[0, :t], b.input_ids[0]) and torch.equal(p.position_ids[0, :t], b.position_ids[0])
     assert torch.equal(p.position_ids[0, t:], torch.arange(5))

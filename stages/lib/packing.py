@@ -292,6 +292,13 @@ class PackedBatch:
         """Tokens the model actually runs (a shared prompt counts once)."""
         return int(self.input_ids.shape[1])
 
+    def dims(self) -> "BatchDims":
+        """This batch's sizes (what batch_dims predicts from the lengths alone)."""
+        shared = self.kv_index is not None
+        return BatchDims(tokens=self.computed_tokens, keys=int(self.kv_index.shape[0]) if shared else self.computed_tokens,
+                         logp_tokens=int(self.logp_positions.shape[0]), pairs=int(self.pair_index.shape[0]),
+                         max_q=self.max_seqlen, max_k=self.max_seqlen_k if shared else self.max_seqlen)
+
 
 def shares_prompt(pairs: TokenPairs, p: int) -> bool:
     """Chosen and rejected of pair p start with the same prompt tokens (always true for our tokenize stage's
@@ -435,10 +442,8 @@ def pad_packed_batch(batch: PackedBatch, shape: BatchDims) -> PackedBatch:
     the zero weights keep padding out of losses, metrics and gradients. kv_index is kept (an identity
     one if the batch shares nothing) whenever the shape has more keys than tokens.
     """
-    t, c, p = batch.computed_tokens, int(batch.logp_positions.shape[0]), int(batch.pair_index.shape[0])
-    k = int(batch.kv_index.shape[0]) if batch.kv_index is not None else t
-    dims = BatchDims(tokens=t, keys=k, logp_tokens=c, pairs=p, max_q=batch.max_seqlen,
-                     max_k=batch.max_seqlen_k if batch.kv_index is not None else batch.max_seqlen)
+    dims = batch.dims()
+    t, k, c, p = dims.tokens, dims.keys, dims.logp_tokens, dims.pairs
     if not shape.fits(dims):
         raise ValueError(f"micro-batch {dims} does not fit the padded shape {shape}")
     with_kv = shape.keys > shape.tokens
@@ -498,8 +503,9 @@ def plan_padded_shapes(dims: list[BatchDims], max_shapes: int, logp_weight: floa
     values, inverse = np.unique(rounded, return_inverse=True)
     m = len(values)
     counts = np.bincount(inverse, minlength=m).astype(np.float64)
+    logp = np.array([d.logp_tokens for d in dims], dtype=np.float64)
     max_c = np.zeros(m)
-    np.maximum.at(max_c, inverse, np.array([d.logp_tokens for d in dims], dtype=np.float64))
+    np.maximum.at(max_c, inverse, logp)
     # cost[i, j]: the work of values i..j padded to one shape (i <= j); inf below the diagonal
     cost = np.full((m, m), np.inf)
     for i in range(m):
@@ -514,7 +520,7 @@ def plan_padded_shapes(dims: list[BatchDims], max_shapes: int, logp_weight: floa
             cand = np.concatenate([[np.inf], best[g - 1, :j]]) + cost[:j + 1, j]   # last group = i..j
             cut[g, j] = int(np.argmin(cand))
             best[g, j] = cand[cut[g, j]]
-    per_shape = capture_cost_batches * float(np.mean(tokens + logp_weight * np.array([d.logp_tokens for d in dims])))
+    per_shape = capture_cost_batches * float(np.mean(tokens + logp_weight * logp))
     n_groups = min(range(1, g_max + 1), key=lambda g: (best[g, m - 1] + per_shape * g, g))
     starts, j = [], m - 1
     for g in range(n_groups, 0, -1):

@@ -450,8 +450,10 @@ def cuda_graphs_unavailable(settings: TrainSettings, env: DistEnv) -> str | None
         return "train.cuda_graphs is 0"
     if env.device.type != "cuda":
         return "not a CUDA run"
-    if env.world_size > 1 or settings.parallel != "ddp":
-        return "more than one process (DDP/FSDP2 collectives are not captured)"
+    if env.world_size > 1:
+        return "more than one process (DDP collectives are not captured)"
+    if settings.parallel != "ddp":
+        return f"train.parallel is {settings.parallel} (its collectives are not captured)"
     if settings.compile:
         return "train.compile is on"
     if settings.activation_checkpointing:
@@ -534,9 +536,9 @@ class GraphedSteps:
         logp_weight = head.weight.numel() / max(1, n_params - head.weight.numel()) if head is not None else 0.0
         flags = shared_prompt_flags(pairs, settings.share_prompt)
         dims = [batch_dims(pairs, mb, flags) for mb in micro_batches]
-        shapes, self.shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight)
-        self.pad_to = [shapes[a] for a in self.shape_of]
-        self.shape_ids = iter(self.shape_of)
+        shapes, shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight)
+        self.pad_to = [shapes[a] for a in shape_of]
+        self.shape_ids = iter(shape_of)
         self.optimizer, self.module, self.env = optimizer, module, env
         device = env.device
         self.scale = torch.zeros((), dtype=torch.float64, device=device)
