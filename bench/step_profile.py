@@ -47,7 +47,6 @@ def build(variant: str, model_dir: Path, chunk_tokens: int = 2048):
 
 def run_variant(variant: str, model_dir: Path, batches: list, profile: bool, out_dir: Path) -> dict:
     import torch
-    import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
     module, bf16 = build(variant, model_dir)
     model = (DDP(module, device_ids=[0] if DEVICE.type == "cuda" else None, broadcast_buffers=False)
@@ -118,6 +117,7 @@ def run_variant(variant: str, model_dir: Path, batches: list, profile: bool, out
     with torch.no_grad(), amp:
         for b in REF_BATCHES:
             model(**b)
+    res["ref_pass_host_s"] = round(time.perf_counter() - t, 3)    # queueing only: ~ref_pass_s = host-bound
     sync()
     res["ref_pass_s"] = round(time.perf_counter() - t, 3)
     del model, module, opt

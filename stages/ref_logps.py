@@ -16,7 +16,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 
 from stages.lib.io import write_parquet
 from stages.lib.modeling import SequenceLogProbs, load_causal_lm
@@ -49,18 +48,21 @@ def main(argv: list[str] | None = None) -> None:
         if settings.parallel == "fsdp2":      # shard a reference too large to replicate
             from stages.lib.trainer import wrap_model
             reference = wrap_model(reference, reference.lm, settings, env)
-        splits = []
-        for split, pairs in (("train", train_pairs), ("probe", probe_pairs)):
+        splits = {}
+        # The probe split first: like train_dpo's step-0 probe pass before its timed loop, it takes the
+        # process's first-use costs (CUDA kernel loading, GEMM heuristics, allocator growth), so the train
+        # split's logged pass time is the reference pass itself. The table keeps train, then probe rows.
+        for split, pairs in (("probe", probe_pairs), ("train", train_pairs)):
             t0 = time.perf_counter()
             logps = run_inference(reference, pairs, env, settings, desc=f"ref_logps {split}")
             seconds = time.perf_counter() - t0      # run_inference ends with a host read: the GPU is done
-            splits.append((split, pairs, logps))
+            splits[split] = (split, pairs, logps)
             if env.is_main:
                 tokens = int(pairs.pair_tokens.sum())
                 log.info("%s: %d pairs, %d completion tokens; pass %.3f s, %d tokens, %.0f tokens/s", split,
                          len(pairs), pairs.completion_tokens, seconds, tokens, tokens / max(seconds, 1e-9))
         if env.is_main:
-            write_parquet(Path(args.out), ref_logps_table(splits))
+            write_parquet(Path(args.out), ref_logps_table([splits["train"], splits["probe"]]))
             log.info("wrote %s", args.out)
     finally:
         shutdown_distributed()

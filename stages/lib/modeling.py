@@ -15,8 +15,9 @@ Log-probs: the decoder body runs once; the LM head is applied only at positions 
 completion token, chunk by chunk under activation checkpointing, so [tokens, vocab] fp32 logits
 never exist (see DESIGN.md "Kernel facts"). Per-sequence sums are float64.
 
-RMSNorm: the loaders route Qwen2/Llama-style RMSNorm modules through torch's fused kernel on CUDA
-(`use_fused_rms_norm`); CPU keeps HF's forward.
+Fused kernels (`use_fused_kernels`, on CUDA only; CPU keeps HF's forward bit for bit): Qwen2/Llama-style
+RMSNorm through torch's fused kernel; the rotary embedding of q/k and the MLP's silu(gate) * up through the
+Triton kernels of stages/lib/kernels.py.
 
 Reward model: AutoModelForSequenceClassification (num_labels=1) = the causal-LM body + `score`
 (a linear hidden -> 1, no LM head); the score is read at the last completion token of each
@@ -29,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from stages.lib import kernels
 
 PACKED_ATTENTION = "prefpipe_packed_varlen"
 
@@ -155,6 +158,79 @@ def use_fused_rms_norm(model: nn.Module) -> int:
     return n
 
 
+# MLPs whose forward is exactly down(act(gate(x)) * up(x)), and attention classes that call their module's
+# apply_rotary_pos_emb(q, k, cos, sin) with HF's standard formula.
+FUSABLE_MLPS = ("Qwen2MLP", "LlamaMLP", "Qwen3MLP", "MistralMLP")
+SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
+ROTARY_ATTENTIONS = ("Qwen2Attention", "LlamaAttention", "Qwen3Attention", "MistralAttention")
+
+
+def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up as one Triton kernel each way on CUDA (stages/lib/kernels.py); HF's forward elsewhere."""
+    if not kernels.available(x):
+        return type(self).forward(self, x)
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    if gate.dtype != up.dtype or gate.shape != up.shape:
+        return self.down_proj(self.act_fn(gate) * up)
+    return self.down_proj(kernels.silu_mul(gate, up))
+
+
+def _fused_rotary(original):
+    """A module's apply_rotary_pos_emb that sends a packed row's q/k ([1, H, T, D] views of the projections'
+    [1, T, H, D] outputs) to one Triton kernel and returns them as views of contiguous [T, H, D] tensors, the
+    layout the varlen attention reads without a copy. Anything else goes to HF's function unchanged."""
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if (unsqueeze_dim == 1 and q.ndim == 4 and k.ndim == 4 and q.shape[0] == 1 and k.shape[0] == 1
+                and cos.ndim == 3 and cos.shape[0] == 1 and sin.shape == cos.shape and kernels.available(q, k, cos)):
+            qf, kf = q[0].transpose(0, 1), k[0].transpose(0, 1)
+            if kernels.rope_supported(qf, kf, cos[0], sin[0]):
+                qo, ko = kernels.rotary_qk(qf, kf, cos[0], sin[0])
+                return qo.transpose(0, 1).unsqueeze(0), ko.transpose(0, 1).unsqueeze(0)
+        return original(q, k, cos, sin, unsqueeze_dim)
+    apply_rotary_pos_emb.prefpipe_original = original
+    return apply_rotary_pos_emb
+
+
+def use_fused_kernels(model: nn.Module) -> dict:
+    """Route a loaded model's norms, SiLU-gated MLPs and rotary embedding through fused kernels on CUDA
+    (RMSNorm: torch's; the others: stages/lib/kernels.py when Triton is importable). Every routed call falls
+    back to HF's own code on CPU, so CPU results are bit-identical. The rotary routing replaces the function
+    in the attention class's transformers module (it is a module-level function there, called by name), for
+    every model of that class in this process. Returns how many modules of each kind were routed."""
+    import sys
+    import types
+    counts = {"rms_norm": use_fused_rms_norm(model), "silu_mul": 0, "rotary": 0}
+    if kernels.triton is None:
+        return counts
+    for m in model.modules():
+        name = type(m).__name__
+        if (name in FUSABLE_MLPS and type(getattr(m, "act_fn", None)).__name__ in SILU_ACTIVATIONS
+                and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))):
+            m.forward = types.MethodType(_fused_mlp_forward, m)
+            counts["silu_mul"] += 1
+        elif name in ROTARY_ATTENTIONS:
+            hf_module = sys.modules[type(m).__module__]
+            current = getattr(hf_module, "apply_rotary_pos_emb", None)
+            if current is None:
+                continue
+            if not hasattr(current, "prefpipe_original"):
+                hf_module.apply_rotary_pos_emb = _fused_rotary(current)
+            counts["rotary"] += 1
+    return counts
+
+
+def warm_up_fused_kernels(model: nn.Module, device: torch.device, dtype: torch.dtype,
+                          cos_dtype: torch.dtype | None = None) -> float:
+    """Compile the Triton kernels a training run of this model launches (forward and backward) before its
+    timed loop; 0 off CUDA. dtype: q/k and gate/up's dtype; cos_dtype: the rotary tables' (fp32 under
+    autocast, where HF computes them in the fp32 hidden states' dtype)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return kernels.warm_up(device, dtype, heads, getattr(cfg, "num_key_value_heads", None) or heads, head_dim,
+                           cos_dtype)
+
+
 def register_packed_attention() -> str:
     from transformers import AttentionInterface
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
@@ -271,7 +347,7 @@ def load_causal_lm(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
                                                        output_loading_info=True)
     if info.get("missing_keys"):
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
-    use_fused_rms_norm(model)
+    model.prefpipe_fused_kernels = use_fused_kernels(model)
     return model
 
 
@@ -294,5 +370,5 @@ def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Modul
     if model.config.pad_token_id is None:
         eos = model.config.eos_token_id
         model.config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
-    use_fused_rms_norm(model)
+    model.prefpipe_fused_kernels = use_fused_kernels(model)
     return model

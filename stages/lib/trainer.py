@@ -59,7 +59,7 @@ from torch import nn
 from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint,
                                    reference_of, run_header, save_checkpoint)
 from stages.lib.io import write_json, write_jsonl, write_text
-from stages.lib.modeling import USED_BACKENDS, attention_backend
+from stages.lib.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
 from stages.lib.packing import (BatchDims, MicroBatch, PackedBatch, StepPlan, TokenPairs, batch_dims, build_packed_batch,
                                 pad_packed_batch, plan_inference, plan_padded_shapes, plan_training,
                                 shared_prompt_flags)
@@ -690,6 +690,10 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         masters = {id(p): p.detach() for p in module.parameters()}
         module.to(dtype=compute_dtype(settings))
     objective.to(env.device)
+    # Triton compiles a kernel on its first launch: do it now, not inside the timed loop's first step.
+    mixed = env.device.type == "cuda" and settings.precision in ("bf16", "autocast")
+    kernel_warmup_s = warm_up_fused_kernels(hf, env.device, torch.bfloat16 if mixed else torch.float32,
+                                            torch.float32 if settings.precision == "autocast" else None)
     model = wrap_model(module, hf, settings, env)
     optimizer = build_optimizer(module, settings, env, masters)
     del masters
@@ -849,6 +853,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         "parallel": settings.parallel,
         "attention": sorted(USED_BACKENDS),
         "cuda_graphs": graph_info,
+        "fused_kernels": {**getattr(hf, "prefpipe_fused_kernels", {}), "warmup_seconds": round(kernel_warmup_s, 3)},
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
         "model_parameters": n_params,
         "train_pairs": len(train_pairs),

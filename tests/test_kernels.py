@@ -1,0 +1,81 @@
+"""The fused kernels (stages/lib/kernels.py) and their routing (modeling.use_fused_kernels).
+
+On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so this process's
+kernels stay compiled-for-GPU); tests/test_gpu.py runs the same checks on CUDA in bf16."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
+from stages.lib.modeling import SequenceLogProbs, load_causal_lm, load_reward_model
+from stages.lib.packing import build_packed_batch, load_token_pairs
+from stages.lib.trainer import model_inputs
+
+CHECKS = Path(__file__).resolve().parent / "triton_interpret_checks.py"
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+
+
+def interpret(*args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(CHECKS), *args], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return r.stdout
+
+
+@needs_triton
+def test_kernels_match_hf_math_forward_and_backward_under_the_interpreter():
+    assert "kernels ok" in interpret("kernels")
+
+
+@needs_triton
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_routed_model_matches_hf_code_path(tmp_path, arch):
+    """The whole packed model with rotary and SiLU-mul through the (interpreted) kernels equals this process's
+    CPU run, which takes HF's code: same log-probs and gradients up to fp32 rounding."""
+    model_dir = make_tiny_model_dir(tmp_path / "m", arch=arch)
+    parquet = write_token_parquet(tmp_path / "t.parquet", random_rows(6, seed=4))
+    interpret("model", str(model_dir), str(parquet), str(tmp_path / "fused.pt"))
+    fused = torch.load(tmp_path / "fused.pt")
+    layers = 2
+    assert fused["routed"] == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": layers}
+    assert fused["calls"] == {"rotary_qk": layers, "silu_mul": layers}
+
+    torch.manual_seed(0)
+    model = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=16)
+    pairs = load_token_pairs(parquet)
+    logps = model(**model_inputs(build_packed_batch(pairs, list(range(len(pairs))), share_prompt=True)))
+    logps.sum().backward()
+    torch.testing.assert_close(fused["logps"], logps.detach(), rtol=1e-6, atol=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == fused["grads"].keys()
+    for n, g in grads.items():
+        torch.testing.assert_close(fused["grads"][n], g, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_cpu_calls_keep_hf_code_bit_for_bit(tmp_path, arch):
+    import sys as _sys
+    model_dir = make_tiny_model_dir(tmp_path / "m", arch=arch)
+    for model in (load_causal_lm(model_dir), load_reward_model(model_dir)):
+        counts = model.prefpipe_fused_kernels
+        assert counts["rms_norm"] == 2 * model.config.num_hidden_layers + 1
+        if importlib.util.find_spec("triton") is None:
+            assert counts["silu_mul"] == counts["rotary"] == 0
+            continue
+        assert counts["silu_mul"] == counts["rotary"] == model.config.num_hidden_layers
+        mlp = model.base_model.layers[0].mlp
+        x = torch.randn(5, model.config.hidden_size)
+        assert "forward" in vars(mlp) and torch.equal(mlp(x), type(mlp).forward(mlp, x))
+        attn = model.base_model.layers[0].self_attn
+        routed = _sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
+        cos, sin = torch.rand(1, 5, 8), torch.rand(1, 5, 8)
+        for a, b in zip(routed(q, k, cos, sin), routed.prefpipe_original(q, k, cos, sin)):
+            assert torch.equal(a, b)
