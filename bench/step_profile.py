@@ -110,7 +110,7 @@ def run_variant(variant: str, model_dir: Path, batches: list, profile: bool, out
         res["profile_gpu_kernel_ms_per_step"] = round(gpu_us / 1e3, 2)
         res["profile_n_kernels_per_step"] = round(sum(e.count for e in ka if e.device_type.name == "CUDA") / 6)
         print(table[:6000])
-    # reference pass: no grad, 16k-token micro-batches over the same pairs
+    # reference pass: no grad, params' inference_micro_batch_tokens micro-batches over the same pairs
     model.eval()
     sync()
     t = time.perf_counter()
@@ -202,7 +202,9 @@ def main(argv=None) -> None:
         b = build_packed_batch(pairs, mb, share_prompt=shared).to(DEVICE)
         return model_inputs(b)
     TOKENS.extend(pairs.pair_tokens[mb].sum() for p in plans for mb in p.rank_micro_batches[0])
-    ref_plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=16384, world_size=1)[0]
+    import yaml   # the reference pass packs like the stage: params' inference budget
+    ref_budget = yaml.safe_load((REPO / "params.yaml").read_text())["train"]["inference_micro_batch_tokens"]
+    ref_plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=ref_budget, world_size=1)[0]
     layouts = {shared: ([on_gpu(mb, shared) for p in plans for mb in p.rank_micro_batches[0]],
                         [on_gpu(mb, shared) for mb in ref_plan]) for shared in (False, True)}
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

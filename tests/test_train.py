@@ -37,6 +37,7 @@ torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on
 def write_params(path: Path, train: dict | None = None, dpo: dict | None = None, rm: dict | None = None) -> Path:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["train"].update({"gpus": 0, "epochs": 2, "global_batch_pairs": 16, "micro_batch_tokens": 160,
+                            "inference_micro_batch_tokens": 160,
                             "lr": 3e-3, "warmup_ratio": 0.1, "logp_chunk_tokens": 32, "seed": 5, **(train or {})})
     params["dpo"].update(dpo or {})
     params["rm"].update(rm or {})

@@ -89,6 +89,7 @@ class TrainSettings:
     epochs: float = 1.0
     global_batch_pairs: int = 32       # pairs per optimizer step, over all ranks
     micro_batch_tokens: int = 4096     # token budget of one packed micro-batch
+    inference_micro_batch_tokens: int = 65536   # the same for no-grad passes (reference, probe)
     lr: float = 1e-3
     weight_decay: float = 0.0          # applied to matrices only (not biases / norm weights), as HF Trainer
     adam_betas: tuple[float, float] = (0.9, 0.999)
@@ -394,7 +395,8 @@ def run_inference(model: nn.Module, pairs: TokenPairs, env: DistEnv, settings: T
                   desc: str = "inference") -> np.ndarray | None:
     """Per-pair model outputs [n_pairs, 2] (chosen, rejected) as float64, on rank 0 (None elsewhere).
     Every pair is scored exactly once; results are placed by pair index, never by arrival order."""
-    plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=settings.micro_batch_tokens, world_size=env.world_size)
+    plan = plan_inference(pairs.pair_tokens, micro_batch_tokens=settings.inference_micro_batch_tokens,
+                          world_size=env.world_size)
     mine = plan[env.rank]
     n_micro, _, _ = control_exchange(env, len(mine), sum(map(len, mine)), 0)
     was_training = model.training

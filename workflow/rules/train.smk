@@ -9,8 +9,8 @@ import os
 
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
-ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/objectives.py", "stages/lib/trainer.py",
-          "stages/lib/checkpoint.py", py("verify_ref"), *LIB]
+ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/kernels.py", "stages/lib/objectives.py",
+          "stages/lib/trainer.py", "stages/lib/graphs.py", "stages/lib/checkpoint.py", py("verify_ref"), *LIB]
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
 USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
@@ -26,7 +26,7 @@ rule ref_logps:
         ref_logps=f"{RESULTS}/ref_logps/ref_logps.parquet",
     params:
         # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
-        train__micro_batch_tokens=TRAIN["micro_batch_tokens"],
+        train__inference_micro_batch_tokens=TRAIN["inference_micro_batch_tokens"],
         train__logp_chunk_tokens=TRAIN["logp_chunk_tokens"],
         train__temperature=TRAIN["temperature"],
         train__precision=TRAIN["precision"],
