@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, reference_rm_scores, reference_seq_logps,
+from engine_helpers import (make_tiny_model_dir, pair_seqs, reference_rm_scores, reference_seq_logps,
                             toy_task_rows, write_token_parquet)
 from stages.lib.io import read_jsonl, read_parquet
 from stages.lib.objectives import (RefLogpsError, dpo_pair_losses, ref_logps_for, ref_logps_table,

@@ -324,36 +324,27 @@ def build_packed_batch(pairs: TokenPairs, micro_batch: MicroBatch, weight: float
         c, r = pairs.seq_ids[2 * p], pairs.seq_ids[2 * p + 1]
         pc, pr = int(pairs.seq_prompt_lens[2 * p]), int(pairs.seq_prompt_lens[2 * p + 1])
         s_c, s_r = 2 * k, 2 * k + 1
-        if share_prompt and shares_prompt(pairs, p):
-            any_shared = True
-            n_c, n_r = len(c), len(r) - pr              # rejected contributes its completion only
-            ids_parts += [c, r[pr:]]
-            pos_parts += [np.arange(n_c), np.arange(pr, len(r))]
-            kv_parts += [np.arange(start, start + n_c), np.arange(start, start + pr),
-                         np.arange(start + n_c, start + n_c + n_r)]
-            q_lens += [n_c, n_r]
-            k_lens += [n_c, len(r)]
-            # chosen: completion tokens [pc, n_c) predicted by positions [pc-1, n_c-1)
-            pos_c = np.arange(start + pc - 1, start + n_c - 1)
-            # rejected: its first completion token is predicted by the last prompt token, the rest by
-            # the rejected tokens before them
-            pos_r = np.concatenate([[start + pr - 1], np.arange(start + n_c, start + n_c + n_r - 1)])
-            logp_positions += [pos_c, pos_r]
-            logp_targets += [c[pc:], r[pr:]]
-            last_positions += [start + n_c - 1, start + n_c + n_r - 1]
-            start += n_c + n_r
-        else:
-            ids_parts += [c, r]
-            pos_parts += [np.arange(len(c)), np.arange(len(r))]
-            kv_parts += [np.arange(start, start + len(c) + len(r))]
-            q_lens += [len(c), len(r)]
-            k_lens += [len(c), len(r)]
-            pos_c = np.arange(start + pc - 1, start + len(c) - 1)
-            pos_r = np.arange(start + len(c) + pr - 1, start + len(c) + len(r) - 1)
-            logp_positions += [pos_c, pos_r]
-            logp_targets += [c[pc:], r[pr:]]
-            last_positions += [start + len(c) - 1, start + len(c) + len(r) - 1]
-            start += len(c) + len(r)
+        # The rejected sequence's first `s` tokens are read from the chosen segment: its prompt when the
+        # pair shares it (laid out once), none otherwise (then the two sequences are simply concatenated).
+        s = pr if share_prompt and shares_prompt(pairs, p) else 0
+        any_shared |= s > 0
+        n_c, n_r = len(c), len(r) - s
+        ids_parts += [c, r[s:]]
+        pos_parts += [np.arange(n_c), np.arange(s, len(r))]
+        # keys: chosen attends to itself; rejected to [its shared prefix in the chosen segment; itself]
+        kv_parts += [np.arange(start, start + n_c), np.arange(start, start + s),
+                     np.arange(start + n_c, start + n_c + n_r)]
+        q_lens += [n_c, n_r]
+        k_lens += [n_c, len(r)]
+        # completion token j is predicted by the hidden state of token j - 1 of the same sequence; rejected
+        # token i sits at start + i inside the shared prefix, else at start + n_c + (i - s)
+        pos_c = np.arange(start + pc - 1, start + n_c - 1)
+        prev_r = np.arange(pr - 1, len(r) - 1)
+        pos_r = np.where(prev_r < s, start + prev_r, start + n_c + prev_r - s)
+        logp_positions += [pos_c, pos_r]
+        logp_targets += [c[pc:], r[pr:]]
+        last_positions += [start + n_c - 1, start + n_c + n_r - 1]
+        start += n_c + n_r
         logp_seq += [np.full(len(pos_c), s_c), np.full(len(pos_r), s_r)]
     seq_lens = [len(pairs.seq_ids[2 * p + b]) for p in micro_batch for b in (0, 1)]
     n_pairs = len(micro_batch)

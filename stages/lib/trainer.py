@@ -531,10 +531,9 @@ class GraphedSteps:
     loss scale, the metric sums, the step's log row and one learning-rate tensor per parameter group."""
 
     def __init__(self, model, module, hf, objective, optimizer, settings: TrainSettings, env: DistEnv,
-                 pairs: TokenPairs, micro_batches: list[MicroBatch]):
+                 pairs: TokenPairs, micro_batches: list[MicroBatch], n_params: int):
         from stages.lib.graphs import StepGraphs
         head = hf.get_output_embeddings() if objective.head == "lm_head" else None
-        n_params = sum(p.numel() for p in module.parameters())
         logp_weight = head.weight.numel() / max(1, n_params - head.weight.numel()) if head is not None else 0.0
         flags = shared_prompt_flags(pairs, settings.share_prompt)
         dims = [batch_dims(pairs, mb, flags) for mb in micro_batches]
@@ -746,8 +745,8 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     filler = filler_batch(train_pairs, settings.share_prompt).to(env.device)
     my_micro_batches = [mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank]]
     reason = cuda_graphs_unavailable(settings, env)
-    graphed = (GraphedSteps(model, module, hf, objective, optimizer, settings, env, train_pairs, my_micro_batches)
-               if reason is None else None)
+    graphed = (GraphedSteps(model, module, hf, objective, optimizer, settings, env, train_pairs, my_micro_batches,
+                            n_params) if reason is None else None)
     batches = prefetch_batches(train_pairs, my_micro_batches, pin=env.device.type == "cuda",
                                share_prompt=settings.share_prompt, pad_to=graphed.pad_to if graphed else None)
     metric_names = objective.metric_names
