@@ -16,7 +16,6 @@ import logging
 import time
 from pathlib import Path
 
-
 from stages.lib.io import write_parquet
 from stages.lib.modeling import SequenceLogProbs, load_causal_lm
 from stages.lib.objectives import ref_logps_table
