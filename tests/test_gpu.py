@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
+from test_train import assets  # noqa: F401 - the tiny model + toy task fixture of the stage tests
 from stages.lib.modeling import USED_BACKENDS, SequenceLogProbs, load_causal_lm, packed_attention_forward
 from stages.lib.packing import build_packed_batch, load_token_pairs
 from stages.lib.trainer import model_inputs
@@ -51,7 +52,7 @@ def test_shared_prompt_logps_match_unshared_on_gpu_in_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("objective,precision", [("dpo", "bf16"), ("dpo", "autocast"), ("rm", "bf16")])
-def test_cuda_graph_training_matches_eager_training(tmp_path, objective, precision):
+def test_cuda_graph_training_matches_eager_training(assets, objective, precision):
     """The whole stage with train.cuda_graphs on (padded shapes, captured forward/backward and optimizer step,
     several micro-batches per step) against the same run eager: same losses, gradient norms and probe results."""
     import json
@@ -59,11 +60,8 @@ def test_cuda_graph_training_matches_eager_training(tmp_path, objective, precisi
     import pandas as pd
     from stages import ref_logps, train_dpo, train_rm
     from stages.lib.io import read_jsonl
-    from engine_helpers import toy_task_rows
     from test_train import stage_args, write_params
-    make_tiny_model_dir(tmp_path / "model")
-    write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
-    write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
+    tmp_path = assets
     runs = {}
     for graphs in (0, 8):
         params = write_params(tmp_path / f"p{graphs}.yaml", train={"gpus": 1, "precision": precision,
@@ -159,7 +157,7 @@ def test_fused_model_matches_hf_code_path_on_gpu_in_bf16(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("stage", ["train_dpo", "train_rm"])
-def test_resume_under_cuda_graphs_continues_the_run(tmp_path, stage):
+def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     """Checkpoint every 2 steps with the graphed step, resume from step 4 (its first step eager, the rest
     replayed, the shapes planned from the remaining batches): the restored log rows are the saved ones and
     the continued steps and final probe agree with the uninterrupted run (not bitwise: the resumed run
@@ -168,12 +166,9 @@ def test_resume_under_cuda_graphs_continues_the_run(tmp_path, stage):
     import numpy as np
     import pandas as pd
     from stages.lib.io import read_jsonl
-    from engine_helpers import toy_task_rows
     from test_checkpoint import checkpoint_at, ckpt_args
     from test_train import write_params
-    make_tiny_model_dir(tmp_path / "model")
-    write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
-    write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
+    tmp_path = assets
     params = write_params(tmp_path / "p.yaml", dpo={"objective": "dpo_ref_free"},
                           train={"gpus": 1, "precision": "bf16", "cuda_graphs": 8, "save_every": 2,
                                  "keep_checkpoints": 4})

@@ -26,12 +26,14 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
     triton = None
 
 
+# Read once, as Triton itself reads it when the kernels below are defined (not per call: the routed
+# modules ask on every layer call).
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def available(*tensors: torch.Tensor) -> bool:
     """Triton can run these (CUDA tensors, or CPU ones under TRITON_INTERPRET=1 in tests)."""
-    if triton is None:
-        return False
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    return all(t.is_cuda or interpret for t in tensors)
+    return triton is not None and all(t.is_cuda or _INTERPRET for t in tensors)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -147,17 +147,6 @@ def _fused_rms_norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return type(self).forward(self, hidden_states)
 
 
-def use_fused_rms_norm(model: nn.Module) -> int:
-    """Route the model's known RMSNorm modules through _fused_rms_norm_forward; returns how many."""
-    import types
-    n = 0
-    for m in model.modules():
-        if type(m).__name__ in FUSABLE_RMS_NORMS and hasattr(m, "variance_epsilon"):
-            m.forward = types.MethodType(_fused_rms_norm_forward, m)
-            n += 1
-    return n
-
-
 # MLPs whose forward is exactly down(act(gate(x)) * up(x)), and attention classes that call their module's
 # apply_rotary_pos_emb(q, k, cos, sin) with HF's standard formula.
 FUSABLE_MLPS = ("Qwen2MLP", "LlamaMLP", "Qwen3MLP", "MistralMLP")
@@ -199,12 +188,15 @@ def use_fused_kernels(model: nn.Module) -> dict:
     every model of that class in this process. Returns how many modules of each kind were routed."""
     import sys
     import types
-    counts = {"rms_norm": use_fused_rms_norm(model), "silu_mul": 0, "rotary": 0}
-    if kernels.triton is None:
-        return counts
+    counts = {"rms_norm": 0, "silu_mul": 0, "rotary": 0}
     for m in model.modules():
         name = type(m).__name__
-        if (name in FUSABLE_MLPS and type(getattr(m, "act_fn", None)).__name__ in SILU_ACTIVATIONS
+        if name in FUSABLE_RMS_NORMS and hasattr(m, "variance_epsilon"):
+            m.forward = types.MethodType(_fused_rms_norm_forward, m)
+            counts["rms_norm"] += 1
+        elif kernels.triton is None:       # the Triton-backed routes below need it importable
+            continue
+        elif (name in FUSABLE_MLPS and type(getattr(m, "act_fn", None)).__name__ in SILU_ACTIVATIONS
                 and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))):
             m.forward = types.MethodType(_fused_mlp_forward, m)
             counts["silu_mul"] += 1
