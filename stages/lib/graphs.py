@@ -1,7 +1,7 @@
 """CUDA graphs for the training step: capture once per padded batch shape, replay for every batch.
 
-Why: a DPO step on a 0.5B model issues 3,659 kernels and the host needs 92 ms to queue them while
-the GPU needs 32 ms to run them (bench/results/step_profile_h200.json): the step is launch-bound.
+Why: an eager DPO step on a 0.5B model issues thousands of small kernels and the host takes longer to
+queue them than the GPU takes to run them (bench/results/step_profile_h200.json): it is launch-bound.
 A replayed graph queues the whole forward + backward in one call.
 
 How (the trainer decides what runs; this module owns capture and replay):
