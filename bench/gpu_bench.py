@@ -148,24 +148,31 @@ def bench_params(base: dict, overrides: dict) -> dict:
     return params
 
 
-def run_ours(work: Path, model_dir: Path, params: dict, out: Path) -> dict:
-    (work / "params.yaml").write_text(yaml.safe_dump(params))
-    common = ["--params", str(work / "params.yaml"), "--model-dir", str(model_dir),
+def run_stage(stage: str, params_file: Path, model_dir: Path, work: Path, extra: list[str], logs: Path,
+              env: dict | None = None) -> dict:
+    """One stage CLI under torchrun, as the Snakemake rules launch it -> {"wall_s"} or, for a training stage
+    (extra has --out-dir), its run_info.json with "wall_s" added. Logs go to logs/ours_<stage>.{log,out}."""
+    common = ["--params", str(params_file), "--model-dir", str(model_dir),
               "--train-tokens", str(work / "train_tokens.parquet"), "--probe-tokens", str(work / "probe_tokens.parquet")]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
-    env = {"PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
-    res = {}
-    ref_wall = sh(run + ["stages.ref_logps", "--", *common, "--out", str(work / "ref_logps.parquet"),
-                         "--log", str(out / "ours_ref_logps.log")], env=env, cwd=REPO, log=out / "ours_ref_logps.out")
+    wall = sh(run + [f"stages.{stage}", "--", *common, *extra, "--log", str(logs / f"ours_{stage}.log")],
+              env={"PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}, cwd=REPO,
+              log=logs / f"ours_{stage}.out")
+    if "--out-dir" not in extra:
+        return {"wall_s": round(wall, 2)}
+    out_dir = Path(extra[extra.index("--out-dir") + 1])
+    return {**json.loads((out_dir / "run_info.json").read_text()), "wall_s": round(wall, 2)}
+
+
+def run_ours(work: Path, model_dir: Path, params: dict, out: Path) -> dict:
+    params_file = work / "params.yaml"
+    params_file.write_text(yaml.safe_dump(params))
+    res = {"ref_logps": run_stage("ref_logps", params_file, model_dir, work, ["--out", str(work / "ref_logps.parquet")], out)}
     # The stage logs each pass's compute time ("train: ... pass 1.234 s, ..."): read the train split's.
     line = next(l for l in (out / "ours_ref_logps.log").read_text().splitlines() if " train: " in l and " pass " in l)
-    res["ref_logps"] = {"wall_s": round(ref_wall, 2), "train_seconds": float(line.split(" pass ")[1].split(" s,")[0])}
+    res["ref_logps"]["train_seconds"] = float(line.split(" pass ")[1].split(" s,")[0])
     for stage, extra in (("train_dpo", ["--ref-logps", str(work / "ref_logps.parquet")]), ("train_rm", [])):
-        wall = sh(run + [f"stages.{stage}", "--", *common, *extra, "--out-dir", str(work / stage),
-                         "--log", str(out / f"ours_{stage}.log")], env=env, cwd=REPO, log=out / f"ours_{stage}.out")
-        info = json.loads((work / stage / "run_info.json").read_text())
-        info["wall_s"] = round(wall, 2)
-        res[stage] = info
+        res[stage] = run_stage(stage, params_file, model_dir, work, [*extra, "--out-dir", str(work / stage)], out)
         shutil.copy(work / stage / "train_log.csv", out / f"ours_{stage}_train_log.csv")
     return res
 
@@ -273,7 +280,7 @@ def main(argv=None) -> None:
     peak = (peak_tflops or float("nan")) * 1e12
     rows = []
     def save_partial() -> None:   # a run cut short by its time limit still leaves what it measured
-        out_json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        out_json.write_text(json.dumps({**result, "table": rows}, indent=2, sort_keys=True) + "\n")
 
     if "ours" in args.modes:
         ours = run_ours(work, model_dir, params, logs)

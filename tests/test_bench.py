@@ -44,3 +44,24 @@ def test_trl_anchor_patch_changes_only_the_workload(tmp_path):
     other.write_text(original.replace("max_length=1024", "max_length=2048"))
     with pytest.raises(SystemExit, match="cannot patch"):
         gpu_bench.patched_trl_anchor(other, "qwen2.5-0.5b", 4096, None, tmp_path / "x.py")
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")
+def test_step_profile_profiles_the_real_stage_on_cpu(tmp_path):
+    """bench/step_profile.py drives the train_dpo stage with PREFPIPE_PROFILE: the first-step and steady
+    windows come back as tables and a summary, and the run itself completes (tiny shape, CPU)."""
+    import step_profile
+    out = tmp_path / "results" / "profile.json"
+    step_profile.main(["--shared", str(SHARED_DATA.parent), "--out", str(out), "--shape", "tiny", "--pairs", "40",
+                       "--variants", "eager", "--profile-start", "2", "--profile-steps", "2",
+                       "--work", str(tmp_path / "work")])
+    result = json.loads(out.read_text())
+    (run,) = result["runs"]
+    assert run["stage"] == "train_dpo" and run["cuda_graphs"]["enabled"] is False
+    prof = run["profile"]
+    assert prof["first_step"]["first_step"] == 0 and prof["first_step"]["steps"] == 1
+    assert prof["steady"]["first_step"] == 2 and prof["steady"]["steps"] == 2
+    assert prof["steady"]["ms_per_step"] > 0
+    steady = (out.parent / "step_profile_train_dpo_eager_steady.txt").read_text()
+    assert "optimizer steps 2..3" in steady and "aten::mm" in steady
+    assert "aten::" in (out.parent / "step_profile_train_dpo_eager_first_step.txt").read_text()

@@ -60,6 +60,7 @@ from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_
                                    reference_of, run_header, save_checkpoint)
 from stages.lib.io import write_json, write_jsonl, write_text
 from stages.lib.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
+from stages.lib.step_profiler import StepProfiler
 from stages.lib.packing import (BatchDims, MicroBatch, PackedBatch, StepPlan, TokenPairs, batch_dims, build_packed_batch,
                                 pad_packed_batch, plan_inference, plan_padded_shapes, plan_training,
                                 shared_prompt_flags)
@@ -782,9 +783,12 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         pending.clear()
         window.update(t=now, tokens=0)
 
+    profiler = StepProfiler.from_env(env.device, env.is_main, state.step)   # PREFPIPE_PROFILE: off by default
     loop_stream = torch.cuda.stream(graphed.graphs.stream) if graphed is not None else contextlib.nullcontext()
     with loop_stream:
         for plan in plans[state.step:]:
+            if profiler is not None:
+                profiler.before_step(state.step)
             mine = plan.rank_micro_batches[env.rank]
             n_micro, global_pairs, global_tokens = control_exchange(
                 env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
@@ -814,6 +818,8 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
                 values = torch.cat([sums, grad_norm.detach().reshape(1).to(sums)])
 
             state.step += 1
+            if profiler is not None:
+                profiler.after_step(state.step - 1)
             state.tokens += global_tokens
             window["tokens"] += global_tokens
             pending.append(({"step": state.step, "epoch": round(plan.epoch_progress, 6), "lr": lr,
@@ -828,6 +834,8 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
                                 probe_step0_rows=step0_rows, module=module, optimizer=optimizer, scheduler=scheduler,
                                 settings=settings, env=env, keep=settings.keep_checkpoints)
                 saved_checkpoints.append(state.step)
+    if profiler is not None:
+        profiler.finish(state.step)
     graph_info = graphed.finish() if graphed is not None else {"enabled": False, "reason": reason}
     flush_log()
     progress.close()

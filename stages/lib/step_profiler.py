@@ -1,0 +1,94 @@
+"""Opt-in torch.profiler view of the real training loop: where a step's time goes.
+
+    PREFPIPE_PROFILE=DIR torchrun ... -m stages.train_dpo ...      # or train_rm; rank 0 writes DIR
+
+A diagnostic, not a parameter: it changes no result (only timing: the profiled steps synchronize), so
+it is an environment variable and not part of params.yaml / the stage hashes. Two windows:
+  first_step.txt    the run's first optimizer step (CUDA-graph path: the eager step that allocates the
+                    gradients and optimizer state), ops by host (CPU) time: the one-off costs;
+  steady.txt        PREFPIPE_PROFILE_STEPS (default 6) later steps from PREFPIPE_PROFILE_START (default
+                    10), ops and kernels by GPU time (kernels replayed from CUDA graphs included);
+  summary.json      per window: host seconds, GPU kernel ms per step, kernels per step.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+PROFILE_ENV = "PREFPIPE_PROFILE"
+
+
+def kernel_summary(events, steps: int) -> dict:
+    """GPU kernel time and count per step from a profiler's key_averages()."""
+    kernels = [e for e in events if e.device_type.name == "CUDA"]
+    return {"gpu_kernel_ms_per_step": round(sum(e.self_device_time_total for e in kernels) / 1e3 / steps, 3),
+            "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1)}
+
+
+class StepProfiler:
+    """Wraps optimizer steps [0, 1) and [start, start + steps) of the loop in torch.profiler (rank 0)."""
+
+    def __init__(self, out_dir: Path, device: torch.device, start: int = 10, steps: int = 6):
+        if start < 1 or steps < 1:
+            raise ValueError(f"{PROFILE_ENV}: the steady window must start at step >= 1 and hold >= 1 step")
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.device = device
+        self.windows = {0: ("first_step", 1), start: ("steady", steps)}
+        self.active: tuple[str, int, int, float, object] | None = None
+        self.summary: dict = {}
+
+    @classmethod
+    def from_env(cls, device: torch.device, is_main: bool, first_step: int) -> "StepProfiler | None":
+        out = os.environ.get(PROFILE_ENV)
+        if not out or not is_main:
+            return None
+        start = int(os.environ.get("PREFPIPE_PROFILE_START", "10")) + first_step
+        prof = cls(Path(out), device, start, int(os.environ.get("PREFPIPE_PROFILE_STEPS", "6")))
+        if first_step:                      # a resumed run's first step is not the run's first-use step
+            prof.windows.pop(0, None)
+        return prof
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def before_step(self, step: int) -> None:
+        if self.active is None and step in self.windows:
+            from torch.profiler import ProfilerActivity, profile
+            name, n = self.windows[step]
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device.type == "cuda" else [])
+            self._sync()
+            prof = profile(activities=activities)
+            prof.__enter__()
+            self.active = (name, step, n, time.perf_counter(), prof)
+
+    def after_step(self, step: int) -> None:
+        """`step`: the index of the step just done (0-based)."""
+        if self.active is not None and step + 1 >= self.active[1] + self.active[2]:
+            self._close(step + 1 - self.active[1])
+
+    def finish(self, steps_done: int) -> None:
+        """After the loop: a window the run ended inside is written with the steps it holds."""
+        if self.active is not None:
+            self._close(steps_done - self.active[1])
+
+    def _close(self, n: int) -> None:
+        name, start, _, t0, prof = self.active
+        self._sync()
+        host_s = time.perf_counter() - t0
+        prof.__exit__(None, None, None)
+        self.active = None
+        events = prof.key_averages()
+        sort = "self_cpu_time_total" if name == "first_step" else (
+            "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total")
+        (self.out_dir / f"{name}.txt").write_text(
+            f"# optimizer steps {start}..{start + n - 1}, {host_s:.3f} s host (synchronized), sorted by {sort}\n"
+            + events.table(sort_by=sort, row_limit=60, max_name_column_width=90) + "\n")
+        self.summary[name] = {"first_step": start, "steps": n, "seconds": round(host_s, 4),
+                              "ms_per_step": round(host_s / n * 1e3, 3), **kernel_summary(events, n)}
+        (self.out_dir / "summary.json").write_text(json.dumps(self.summary, indent=2) + "\n")
