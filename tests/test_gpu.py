@@ -79,6 +79,7 @@ def test_cuda_graph_training_matches_eager_training(assets, objective, precision
     assert eager_info["cuda_graphs"]["enabled"] is False
     info = graph_info["cuda_graphs"]
     assert info["enabled"] and info["replays"] > 0 and info["shapes_captured"] >= 1, info
+    assert info["optimizer"]["kind"] == ("flat_triton_adamw" if precision == "bf16" else "torch_fused_adamw")
     assert graph_log.pairs.tolist() == eager_log.pairs.tolist() and graph_log.tokens.tolist() == eager_log.tokens.tolist()
     np.testing.assert_allclose(graph_log.loss[0], eager_log.loss[0], rtol=2e-3)
     np.testing.assert_allclose(graph_log.grad_norm[0], eager_log.grad_norm[0], rtol=2e-2)
@@ -156,6 +157,13 @@ def test_fused_model_matches_hf_code_path_on_gpu_in_bf16(tmp_path, monkeypatch):
     assert F.cosine_similarity(g_f, g_h, dim=0) > 0.99
 
 
+def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
+    """The graph path's flat Triton AdamW against MasterWeightAdamW's fused step on CUDA (the same check the
+    CPU suite runs under Triton's interpreter; here the bf16 weights must be the masters rounded to nearest)."""
+    from triton_interpret_checks import check_flat_adamw
+    check_flat_adamw("cuda")
+
+
 @pytest.mark.parametrize("stage", ["train_dpo", "train_rm"])
 def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     """Checkpoint every 2 steps with the graphed step, resume from step 4 (its first step eager, the rest
@@ -176,6 +184,7 @@ def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     full = main(ckpt_args(tmp_path, "full", params, tmp_path / "ck"))
     resumed = main(ckpt_args(tmp_path, "resumed", params, tmp_path / "ck2", resume=checkpoint_at(tmp_path / "ck", 4)))
     assert full["cuda_graphs"]["enabled"] and resumed["cuda_graphs"]["enabled"]
+    assert full["cuda_graphs"]["optimizer"]["kind"] == resumed["cuda_graphs"]["optimizer"]["kind"] == "flat_triton_adamw"
     assert resumed["resumed_from_step"] == 4 and resumed["checkpoints_saved"] == [6, 8]
     a, b = pd.read_csv(tmp_path / "full/train_log.csv"), pd.read_csv(tmp_path / "resumed/train_log.csv")
     assert a.step.tolist() == b.step.tolist() == list(range(1, 9))

@@ -35,6 +35,14 @@ def test_kernels_match_hf_math_forward_and_backward_under_the_interpreter():
 
 
 @needs_triton
+def test_flat_adamw_equals_the_eager_master_weight_step_under_the_interpreter():
+    """stages/lib/flat_adamw.py's three kernels through graphed_optimizer_step: the masters, moments and step
+    counts of MasterWeightAdamW's own clipped step, the model's weights its rounded masters, a parameter
+    without gradient untouched, and a state_dict that continues as MasterWeightAdamW's."""
+    assert "flat adamw ok" in interpret("flat_adamw")
+
+
+@needs_triton
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_routed_model_matches_hf_code_path(tmp_path, arch):
     """The whole packed model with rotary and SiLU-mul through the (interpreted) kernels equals this process's
@@ -44,8 +52,9 @@ def test_routed_model_matches_hf_code_path(tmp_path, arch):
     interpret("model", str(model_dir), str(parquet), str(tmp_path / "fused.pt"))
     fused = torch.load(tmp_path / "fused.pt")
     layers = 2
-    assert fused["routed"] == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": layers}
-    assert fused["calls"] == {"rotary_qk": layers, "silu_mul": layers}
+    assert fused["routed"] == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rotary": layers, "qkv_gemm": layers}
+    # per layer: q|k|v and gate|up as one GEMM each, the rotary and silu(gate) * up kernels
+    assert fused["calls"] == {"rotary_qk": layers, "silu_mul_halves": layers, "grouped_linear": 2 * layers}
 
     torch.manual_seed(0)
     model = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=16)
@@ -67,13 +76,15 @@ def test_cpu_calls_keep_hf_code_bit_for_bit(tmp_path, arch):
         counts = model.prefpipe_fused_kernels
         assert counts["rms_norm"] == 2 * model.config.num_hidden_layers + 1
         if importlib.util.find_spec("triton") is None:
-            assert counts["silu_mul"] == counts["rotary"] == 0
+            assert counts["silu_mul"] == counts["rotary"] == counts["qkv_gemm"] == 0
             continue
-        assert counts["silu_mul"] == counts["rotary"] == model.config.num_hidden_layers
+        assert counts["silu_mul"] == counts["rotary"] == counts["qkv_gemm"] == model.config.num_hidden_layers
         mlp = model.base_model.layers[0].mlp
         x = torch.randn(5, model.config.hidden_size)
         assert "forward" in vars(mlp) and torch.equal(mlp(x), type(mlp).forward(mlp, x))
         attn = model.base_model.layers[0].self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):      # routed, and on CPU nn.Linear's own result
+            assert "forward" in vars(proj) and torch.equal(proj(x), torch.nn.Linear.forward(proj, x))
         routed = _sys.modules[type(attn).__module__].apply_rotary_pos_emb
         q, k = torch.randn(1, 4, 5, 8), torch.randn(1, 2, 5, 8)
         cos, sin = torch.rand(1, 5, 8), torch.rand(1, 5, 8)

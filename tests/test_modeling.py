@@ -206,3 +206,40 @@ def test_rms_norms_are_routed_to_the_fused_kernel_and_unchanged_on_cpu(tmp_path,
         x = torch.randn(5, model.config.hidden_size)
         for m in norms[:2]:                                         # CPU: HF's own forward, bit for bit
             assert torch.equal(m(x), type(m).forward(m, x))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias):
+    """GroupedLinear (the fused q|k|v and gate|up projection): output and every gradient equal the separate
+    nn.Linear layers'; adjacent_rows aliases weights that lie back to back (flat_adamw's buffer) and refuses
+    anything else, which then takes the concatenating copy."""
+    from stages.lib.modeling import adjacent_rows, grouped_linear
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, n, bias=bias, dtype=torch.float64) for n in (8, 2, 2)]
+    x = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)
+    ref = torch.cat([m(x) for m in layers], dim=-1)
+    g = torch.randn_like(ref)
+    ref_grads = torch.autograd.grad(ref, [x, *(p for m in layers for p in m.parameters())], g)
+    assert adjacent_rows([m.weight for m in layers]) is None          # separate allocations
+
+    def run():
+        out = grouped_linear(x, layers)
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+        grads = torch.autograd.grad(out, [x, *(p for m in layers for p in m.parameters())], g)
+        for a, b in zip(grads, ref_grads):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+    run()
+    flat = torch.zeros(sum(m.weight.numel() for m in layers) + 4, dtype=torch.float64)
+    offset = 2
+    for m in layers:            # lay the weights back to back in one buffer, as flat_adamw does
+        n = m.weight.numel()
+        flat[offset:offset + n].copy_(m.weight.detach().reshape(-1))
+        m.weight.data = flat[offset:offset + n].view_as(m.weight)
+        offset += n
+    alias = adjacent_rows([m.weight for m in layers])
+    assert alias is not None and alias.shape == (12, 6) and alias.data_ptr() == layers[0].weight.data_ptr()
+    torch.testing.assert_close(alias, torch.cat([m.weight for m in layers]))
+    assert adjacent_rows([layers[0].weight, layers[2].weight]) is None            # a gap
+    assert adjacent_rows([layers[1].weight, layers[0].weight]) is None            # out of order
+    run()

@@ -3,6 +3,7 @@ real kernels of stages/lib/kernels.py on CPU tensors (the GPU run of the same ke
 
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py kernels
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model <model_dir> <token_parquet> <out.pt>
+    TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_adamw
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import os
 import sys
 from pathlib import Path
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
 sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parent)]
 
 import torch  # noqa: E402
@@ -66,17 +66,18 @@ def check_kernels() -> None:
 
 def model_outputs(model_dir: str, parquet: str, out: str) -> None:
     """The packed model's log-probs and gradients with the fused routing live (interpreted kernels)."""
-    from stages.lib import kernels
+    from stages.lib import kernels, modeling
     from stages.lib.modeling import SequenceLogProbs, load_causal_lm
     from stages.lib.packing import build_packed_batch, load_token_pairs
     from stages.lib.trainer import model_inputs
-    calls = {"rotary_qk": 0, "silu_mul": 0}
-    for name in calls:                        # count that the fused kernels, not HF's code, ran
-        fn = getattr(kernels, name)
+    calls = {"rotary_qk": 0, "silu_mul_halves": 0, "grouped_linear": 0}
+    for name in calls:                        # count that the fused paths, not HF's code, ran
+        owner = modeling if name == "grouped_linear" else kernels
+        fn = getattr(owner, name)
         def counted(*a, _fn=fn, _name=name):
             calls[_name] += 1
             return _fn(*a)
-        setattr(kernels, name, counted)
+        setattr(owner, name, counted)
     torch.manual_seed(0)
     lm = load_causal_lm(model_dir)
     model = SequenceLogProbs(lm, chunk_tokens=16)
@@ -87,8 +88,113 @@ def model_outputs(model_dir: str, parquet: str, out: str) -> None:
                 "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}, out)
 
 
+def check_flat_adamw(device: str = "cpu") -> None:
+    """(CPU under the interpreter, or CUDA from tests/test_gpu.py.) The graph path's flat Triton AdamW (flat_adamw.FlatMasterAdamW through graphed_optimizer_step) against
+    the eager trainer's step (grads_to_master, clip_grad_norm_, MasterWeightAdamW.step, zero_grad), step after
+    step with a changing learning rate and an active clip; a parameter without gradient stays untouched; the
+    optimizer state_dict it leaves continues as MasterWeightAdamW's own."""
+    from stages.lib.flat_adamw import FlatMasterAdamW
+    from stages.lib.trainer import (DistEnv, MasterWeightAdamW, TrainSettings, build_optimizer,
+                                    graphed_optimizer_step, total_grad_norm)
+    settings = TrainSettings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16")
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend="gloo")
+
+    def net():
+        return torch.nn.ModuleDict({"a": torch.nn.Linear(8, 40), "b": torch.nn.Linear(40, 4),
+                                    "unused": torch.nn.Linear(3, 3)})
+
+    def run(m, x):
+        return m["b"](torch.tanh(m["a"](x)))
+
+    torch.manual_seed(0)
+    base = net()
+    models, opts = [], []
+    for _ in range(3):
+        m = net().to(device)
+        m.load_state_dict(base.state_dict())
+        masters = {id(p): p.detach() for p in m.parameters()}
+        m.to(torch.bfloat16)
+        models.append(m)
+        opts.append(build_optimizer(m, settings, env, masters))
+    assert isinstance(opts[1], MasterWeightAdamW)
+    flat = FlatMasterAdamW(opts[1], settings.max_grad_norm)
+    assert FlatMasterAdamW.unsupported(opts[1]) is None
+    unused_before = [p.detach().clone() for p in models[1]["unused"].parameters()]
+    lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in opts[1].param_groups]
+    sums, row = (torch.zeros(n, dtype=torch.float64, device=device) for n in (2, 3))
+
+    def eager_step(m, opt):
+        opt.grads_to_master()
+        norm = total_grad_norm(opt.master_params, settings.max_grad_norm)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return norm
+
+    def compare(oa, ob):
+        for ma, mb in zip(oa.master_params, ob.master_params):
+            torch.testing.assert_close(ma, mb, rtol=0, atol=1.5e-7)   # a few fp32 ulps of weights ~0.3
+        for p, m in zip(ob.model_params, ob.master_params):               # the model holds its master, rounded
+            if device == "cpu":                                           # the interpreter truncates
+                torch.testing.assert_close(p.float(), m.detach(), rtol=2 ** -7, atol=0)
+            else:                                                         # a GPU rounds to nearest, as torch
+                assert torch.equal(p, m.detach().to(p.dtype))
+        sa, sb = oa.state_dict(), ob.state_dict()
+        assert set(sa["state"]) == set(sb["state"]), (set(sa["state"]), set(sb["state"]))
+        for i, st in sa["state"].items():
+            for key in ("step", "exp_avg", "exp_avg_sq"):
+                ref = st[key].float()        # atol: fp32 rounding at the tensor's scale (lerp cancels)
+                torch.testing.assert_close(ref, sb["state"][i][key].float(), rtol=2e-5, atol=1e-6 * float(ref.abs().max()),
+                                           msg=lambda m, key=key, i=i: f"{key} {i}: {m}")
+
+    def same_grads(src, dst):
+        # Both optimizers get the very same gradients (the models' bf16 weights may differ by a rounding: the
+        # interpreter truncates where a GPU rounds to nearest), so the update math alone is compared.
+        for ps, pd in zip(src.parameters(), dst.parameters()):
+            pd.grad = None if ps.grad is None else ps.grad.clone()
+
+    for step, lr in enumerate([1e-2, 5e-3, 2e-2]):
+        x = torch.randn(5, 8, dtype=torch.bfloat16, device=device)
+        for opt in opts:
+            for g in opt.param_groups:
+                g["lr"] = lr
+        m = models[1]
+        run(m, x).float().square().mean().backward()
+        same_grads(m, models[0])
+        norm = eager_step(models[0], opts[0])
+        for t, g in zip(lrs, opts[1].param_groups):
+            t.fill_(g["lr"])
+        sums += torch.tensor([1.0, 2.0 * step], dtype=torch.float64, device=device)
+        graphed_optimizer_step(opts[1], m, settings, lrs, sums, row, flat)
+        assert row[:2].tolist() == [1.0, 2.0 * step] and sums.abs().sum() == 0
+        assert abs(float(row[2]) / float(norm) - 1) < 1e-5, (row, norm)
+        assert float(norm) > settings.max_grad_norm          # the clip is active
+        used = [p for n, p in m.named_parameters() if not n.startswith("unused")]
+        assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in used)
+        assert all(p.grad is None for p in m["unused"].parameters())
+        compare(opts[0], opts[1])
+    for p, before in zip(models[1]["unused"].parameters(), unused_before):
+        assert torch.equal(p, before)
+    # the views: one flat buffer each, what the model and the optimizer see
+    assert models[1]["a"].weight.untyped_storage().data_ptr() == flat.param.untyped_storage().data_ptr()
+    assert opts[1].master_params[0].untyped_storage().data_ptr() == flat.master.untyped_storage().data_ptr()
+    # the flat run's state_dict continues as MasterWeightAdamW's own step
+    flat.release()
+    assert all(p.grad is None for p in models[1].parameters())
+    models[2].load_state_dict(models[1].state_dict())
+    opts[2].load_state_dict(opts[1].state_dict())
+    run(models[2], torch.randn(5, 8, dtype=torch.bfloat16, device=device)).float().square().mean().backward()
+    same_grads(models[2], models[0])
+    for k in (0, 2):
+        eager_step(models[k], opts[k])
+    compare(opts[0], opts[2])
+    print("flat adamw ok")
+
+
 if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     if sys.argv[1] == "kernels":
         check_kernels()
+    elif sys.argv[1] == "flat_adamw":
+        check_flat_adamw()
     else:
         model_outputs(*sys.argv[2:5])

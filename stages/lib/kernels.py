@@ -42,14 +42,15 @@ def available(*tensors: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _rope_rows(x_ptr, o_ptr, t, n_heads, c1, c2, s1, s2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    def _rope_rows(x_ptr, o_ptr, t, n_heads, x_stride, c1, c2, s1, s2, HALF: tl.constexpr, BLOCK_H: tl.constexpr,
                    BACKWARD: tl.constexpr):
         d = tl.arange(0, HALF)[None, :]
         h = tl.arange(0, BLOCK_H)[:, None]
         mask = h < n_heads
-        row = t * n_heads * 2 * HALF + h * 2 * HALF
-        x1 = tl.load(x_ptr + row + d, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + row + HALF + d, mask=mask, other=0.0).to(tl.float32)
+        x_row = t * x_stride + h * 2 * HALF          # the input may be a column slice of a wider row
+        row = t * n_heads * 2 * HALF + h * 2 * HALF  # the output is contiguous
+        x1 = tl.load(x_ptr + x_row + d, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x_ptr + x_row + HALF + d, mask=mask, other=0.0).to(tl.float32)
         if BACKWARD:
             o1 = x1 * c1 + x2 * s2
             o2 = x2 * c2 - x1 * s1
@@ -60,9 +61,10 @@ if triton is not None:
         tl.store(o_ptr + row + HALF + d, o2.to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, n_heads_q, n_heads_k,
+    def _rope_kernel(q_ptr, k_ptr, qo_ptr, ko_ptr, cos_ptr, sin_ptr, n_heads_q, n_heads_k, q_stride, k_stride,
                      HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BACKWARD: tl.constexpr):
-        """One program per token t: every q head and k head of t (contiguous [T, H, 2 * HALF] rows).
+        """One program per token t: every q head and k head of t ([T, H, 2 * HALF] with contiguous heads; the
+        inputs' rows `q_stride` / `k_stride` elements apart, the outputs contiguous).
         Forward (HF's q * cos + rotate_half(q) * sin):  o1 = x1 c1 - x2 s1,  o2 = x2 c2 + x1 s2.
         Backward (its transpose):                        d1 = g1 c1 + g2 s2,  d2 = g2 c2 - g1 s1."""
         t = tl.program_id(0).to(tl.int64)
@@ -71,8 +73,8 @@ if triton is not None:
         c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + d).to(tl.float32)
         s1 = tl.load(sin_ptr + t * 2 * HALF + d).to(tl.float32)
         s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + d).to(tl.float32)
-        _rope_rows(q_ptr, qo_ptr, t, n_heads_q, c1, c2, s1, s2, HALF, BLOCK_HQ, BACKWARD)
-        _rope_rows(k_ptr, ko_ptr, t, n_heads_k, c1, c2, s1, s2, HALF, BLOCK_HK, BACKWARD)
+        _rope_rows(q_ptr, qo_ptr, t, n_heads_q, q_stride, c1, c2, s1, s2, HALF, BLOCK_HQ, BACKWARD)
+        _rope_rows(k_ptr, ko_ptr, t, n_heads_k, k_stride, c1, c2, s1, s2, HALF, BLOCK_HK, BACKWARD)
 
     # n stays specialized (Triton's "divisible by 16" flag): with it the tail mask is known constant over
     # 16-element groups and the loads vectorize; without it they are split per element, slower than
@@ -98,6 +100,95 @@ if triton is not None:
         tl.store(dg_ptr + offs, (do * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask)
 
 
+    # The MLP's fused gate|up projection gives one [T, 2W] tensor; these read its halves in place and the
+    # backward writes the [T, 2W] gradient the fused projection's backward takes (no split, no cat).
+    @triton.jit
+    def _silu_mul_halves_fwd_kernel(x_ptr, o_ptr, width, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < width
+        g = tl.load(x_ptr + t * 2 * width + j, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + t * 2 * width + width + j, mask=mask, other=0.0).to(tl.float32)
+        tl.store(o_ptr + t * width + j, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _silu_mul_halves_bwd_kernel(do_ptr, x_ptr, dx_ptr, width, BLOCK: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        j = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = j < width
+        do = tl.load(do_ptr + t * width + j, mask=mask, other=0.0).to(tl.float32)
+        g = tl.load(x_ptr + t * 2 * width + j, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + t * 2 * width + width + j, mask=mask, other=0.0).to(tl.float32)
+        s = tl.sigmoid(g)
+        tl.store(dx_ptr + t * 2 * width + j, (do * u * s * (1.0 + g * (1.0 - s))).to(dx_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(dx_ptr + t * 2 * width + width + j, (do * g * s).to(dx_ptr.dtype.element_ty), mask=mask)
+
+    # -- AdamW over flat fp32 master / moment buffers (stages/lib/flat_adamw.py) ------------------------
+    @triton.jit
+    def _sumsq_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
+        """partial[p] = sum of x^2 over block p (fp32): stage one of the gradient norm."""
+        pid = tl.program_id(0)
+        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
+        tl.store(partial_ptr + pid, tl.sum(x * x, axis=0))
+
+    @triton.jit(do_not_specialize=["n_partials", "n_groups"])
+    def _clip_kernel(partial_ptr, n_partials, norm_ptr, divisor_ptr, step_ptr, bias_ptr, n_groups, max_norm,
+                     CLIP: tl.constexpr, BLOCK: tl.constexpr):
+        """One program: norm = sqrt(sum of the partials, in a fixed order: deterministic), the clip as a
+        gradient divisor (clip_grad_norm_'s coefficient max_norm / (norm + 1e-6), at most 1, inverted), the
+        step count + 1, and per parameter group (bias rows, fp64: beta1^t, beta2^t, beta1, beta2, then
+        written 1 - beta1^t, sqrt(1 - beta2^t)) the bias corrections in double precision, as torch's fused
+        AdamW computes them (1 - 0.999^t in fp32 would lose ~5 digits to cancellation)."""
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(0, n_partials, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(partial_ptr + offs, mask=offs < n_partials, other=0.0)
+        norm = tl.sqrt(tl.sum(acc, axis=0))
+        tl.store(norm_ptr, norm)
+        if CLIP:
+            coef = tl.minimum(max_norm / (norm + 1e-6), 1.0)
+            tl.store(divisor_ptr, 1.0 / coef)
+        else:
+            tl.store(divisor_ptr, 1.0)
+        tl.store(step_ptr, tl.load(step_ptr) + 1.0)
+        for g in range(0, n_groups):
+            row = bias_ptr + g * 6
+            pow1 = tl.load(row) * tl.load(row + 2)
+            pow2 = tl.load(row + 1) * tl.load(row + 3)
+            tl.store(row, pow1)
+            tl.store(row + 1, pow2)
+            tl.store(row + 4, 1.0 - pow1)
+            tl.store(row + 5, tl.sqrt(1.0 - pow2))
+
+    @triton.jit
+    def _adamw_kernel(grad_ptr, param_ptr, master_ptr, m_ptr, v_ptr, n, lr_ptr, bias_ptr, divisor_ptr,
+                      beta1, one_minus_beta1, beta2, one_minus_beta2, eps, weight_decay, BLOCK: tl.constexpr):
+        """torch's AdamW (decoupled weight decay, bias-corrected) on fp32 masters and moments, reading the
+        model-dtype gradient divided by the clip divisor; writes the rounded model-dtype parameter and
+        zeroes the gradient (the next step accumulates into it): one pass over every buffer. bias_ptr: this
+        group's row of _clip_kernel's bias corrections; 1 - beta is passed as computed in double on the host."""
+        offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < n
+        lr = tl.load(lr_ptr)
+        step_size = (lr.to(tl.float64) / tl.load(bias_ptr + 4)).to(tl.float32)
+        bias2_sqrt = tl.load(bias_ptr + 5).to(tl.float32)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(divisor_ptr)
+        w = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        w = w - (lr * weight_decay) * w
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        w = w - step_size * m / (tl.sqrt(v) / bias2_sqrt + eps)
+        tl.store(master_ptr + offs, w, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_ptr + offs, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=mask)
+
+
 def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """q [T, Hq, D], k [T, Hk, D], cos/sin [T, D] with D / 2 a power of two (the kernel's vector width)."""
     if q.ndim != 3 or k.ndim != 3 or cos.shape != sin.shape or cos.ndim != 2:
@@ -110,12 +201,20 @@ def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: tor
             and cos.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
+def _rows_of_heads(x: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D] as the kernel reads it: heads contiguous within a row (a column slice of the fused QKV
+    projection's [T, (Hq + 2 Hk) D] output is, without a copy); rows any stride."""
+    return x if x.stride(2) == 1 and x.stride(1) == x.shape[2] else x.contiguous()
+
+
 def _rope(q, k, cos, sin, backward: bool, out_dtype: torch.dtype):
-    q, k, cos, sin = (x.contiguous() for x in (q, k, cos, sin))
+    q, k = _rows_of_heads(q), _rows_of_heads(k)
+    cos, sin = cos.contiguous(), sin.contiguous()
     qo = torch.empty(q.shape, dtype=out_dtype, device=q.device)
     ko = torch.empty(k.shape, dtype=out_dtype, device=k.device)
     if q.shape[0]:
-        _rope_kernel[(q.shape[0],)](q, k, qo, ko, cos, sin, q.shape[1], k.shape[1], HALF=q.shape[2] // 2,
+        _rope_kernel[(q.shape[0],)](q, k, qo, ko, cos, sin, q.shape[1], k.shape[1], q.stride(0), k.stride(0),
+                                    HALF=q.shape[2] // 2,
                                     BLOCK_HQ=triton.next_power_of_2(q.shape[1]),
                                     BLOCK_HK=triton.next_power_of_2(k.shape[1]), BACKWARD=backward)
     return qo, ko
@@ -167,6 +266,40 @@ class SiluMul(torch.autograd.Function):
         return dgate, dup
 
 
+class SiluMulHalves(torch.autograd.Function):
+    """x [..., 2W] (gate | up) -> silu(gate) * up [..., W]; one kernel each way, the gradient as one [..., 2W]."""
+
+    BLOCK = 1024
+
+    @staticmethod
+    def forward(ctx, x):
+        x = x.contiguous()
+        width = x.shape[-1] // 2
+        out = x.new_empty((*x.shape[:-1], width))
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows and width:
+            _silu_mul_halves_fwd_kernel[(rows, triton.cdiv(width, SiluMulHalves.BLOCK))](
+                x, out, width, BLOCK=SiluMulHalves.BLOCK)
+        ctx.save_for_backward(x)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        (x,) = ctx.saved_tensors
+        dout = dout.contiguous()
+        dx = torch.empty_like(x)
+        width = x.shape[-1] // 2
+        rows = x.numel() // max(1, x.shape[-1])
+        if rows and width:
+            _silu_mul_halves_bwd_kernel[(rows, triton.cdiv(width, SiluMulHalves.BLOCK))](
+                dout, x, dx, width, BLOCK=SiluMulHalves.BLOCK)
+        return dx
+
+
+def silu_mul_halves(x):
+    return SiluMulHalves.apply(x)
+
+
 def rotary_qk(q, k, cos, sin):
     return RotaryQK.apply(q, k, cos, sin)
 
@@ -182,12 +315,15 @@ def warm_up(device: torch.device, dtype: torch.dtype, n_heads_q: int, n_heads_k:
     if not (triton is not None and device.type == "cuda"):
         return 0.0
     t0 = time.perf_counter()
-    q = torch.randn(4, n_heads_q, head_dim, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(4, n_heads_k, head_dim, device=device, dtype=dtype, requires_grad=True)
+    # q and k as column slices of one fused projection output, as the routed attention hands them over
+    qkv = torch.randn(4, (n_heads_q + 2 * n_heads_k) * head_dim, device=device, dtype=dtype, requires_grad=True)
+    q = qkv[:, :n_heads_q * head_dim].view(4, n_heads_q, head_dim)
+    k = qkv[:, n_heads_q * head_dim:(n_heads_q + n_heads_k) * head_dim].view(4, n_heads_k, head_dim)
     cos = torch.randn(4, head_dim, device=device, dtype=cos_dtype or dtype)
     if rope_supported(q, k, cos, cos):
         qo, ko = rotary_qk(q, k, cos, cos)
         (qo.float().sum() + ko.float().sum()).backward()
+    silu_mul_halves(torch.randn(4, 128, device=device, dtype=dtype, requires_grad=True)).float().sum().backward()
     g = torch.randn(4, 64, device=device, dtype=dtype, requires_grad=True)
     u = torch.randn(4, 64, device=device, dtype=dtype, requires_grad=True)
     silu_mul(g, u).float().sum().backward()

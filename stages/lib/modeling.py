@@ -17,7 +17,8 @@ never exist (see DESIGN.md "Kernel facts"). Per-sequence sums are float64.
 
 Fused kernels (`use_fused_kernels`, on CUDA only; CPU keeps HF's forward bit for bit): Qwen2/Llama-style
 RMSNorm through torch's fused kernel; the rotary embedding of q/k and the MLP's silu(gate) * up through the
-Triton kernels of stages/lib/kernels.py.
+Triton kernels of stages/lib/kernels.py; q|k|v and gate|up as one GEMM each (GroupedLinear: per layer 3 and
+2 projections of the same input, and in a 0.5B step the k/v GEMMs are only 128 columns wide).
 
 Reward model: AutoModelForSequenceClassification (num_labels=1) = the causal-LM body + `score`
 (a linear hidden -> 1, no LM head); the score is read at the last completion token of each
@@ -154,14 +155,108 @@ SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 ROTARY_ATTENTIONS = ("Qwen2Attention", "LlamaAttention", "Qwen3Attention", "MistralAttention")
 
 
+def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """torch.cat(tensors) (along dim 0) without a copy when they already lie back to back in one storage, as
+    the flat parameter buffer of flat_adamw lays out a layer's q/k/v (and gate/up) weights; else None."""
+    first = tensors[0]
+    offset = first.storage_offset()
+    for t in tensors:
+        if (not t.is_contiguous() or t.dtype != first.dtype or t.shape[1:] != first.shape[1:]
+                or t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != offset):
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in tensors)
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
+
+
+class GroupedLinear(torch.autograd.Function):
+    """x @ cat(W_1..W_n).T + cat(b_1..b_n): n Linear layers that read the same input as ONE GEMM forward and
+    one each for the input and weight gradients backward (instead of n each, plus n - 1 adds summing the
+    input's gradient and n bias reductions). The weights are concatenated without a copy when adjacent
+    (adjacent_rows), else with one. Same math as the separate layers; the GEMM's blocking may differ."""
+
+    @staticmethod
+    def forward(ctx, x, n_weights: int, *params):
+        weights, biases = params[:n_weights], params[n_weights:]
+        w = adjacent_rows(list(weights))
+        w = torch.cat(weights) if w is None else w
+        b = None
+        if biases:
+            b = adjacent_rows(list(biases))
+            b = torch.cat(biases) if b is None else b
+        ctx.save_for_backward(x, w)
+        ctx.splits = [t.shape[0] for t in weights]
+        ctx.has_bias = bool(biases)
+        return F.linear(x, w, b)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
+        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])).split(ctx.splits)
+        db = dy2.sum(0).split(ctx.splits) if ctx.has_bias else ()
+        return (dx, None, *dw, *db)
+
+
+def grouped_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
+    biases = [m.bias for m in layers if m.bias is not None]
+    if biases and len(biases) != len(layers):
+        raise ValueError("grouped_linear: either every layer has a bias or none")
+    return GroupedLinear.apply(x, len(layers), *(m.weight for m in layers), *biases)
+
+
+def _fusable_projection_input(x: torch.Tensor, layers: list[nn.Linear]) -> bool:
+    """One GEMM for these layers: on the fused-kernel path (CUDA), same dtype throughout, no autocast
+    (autocast would run the GEMM in another dtype than the backward sees)."""
+    return (kernels.available(x) and not torch.is_autocast_enabled(x.device.type)
+            and all(m.weight.dtype == x.dtype and (m.bias is None or m.bias.dtype == x.dtype) for m in layers))
+
+
 def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up as one Triton kernel each way on CUDA (stages/lib/kernels.py); HF's forward elsewhere."""
+    """gate|up as one GEMM and silu(gate) * up as one Triton kernel each way on CUDA (stages/lib/kernels.py);
+    HF's forward elsewhere."""
     if not kernels.available(x):
         return type(self).forward(self, x)
+    pair = [self.gate_proj, self.up_proj]
+    if (_fusable_projection_input(x, pair) and self.gate_proj.weight.shape == self.up_proj.weight.shape
+            and self.gate_proj.bias is None and self.up_proj.bias is None):
+        return self.down_proj(kernels.silu_mul_halves(grouped_linear(x, pair)))
     gate, up = self.gate_proj(x), self.up_proj(x)
     if gate.dtype != up.dtype or gate.shape != up.shape:
         return self.down_proj(self.act_fn(gate) * up)
     return self.down_proj(kernels.silu_mul(gate, up))
+
+
+class _QKVProjection:
+    """Routes an attention module's q_proj/k_proj/v_proj calls to one GroupedLinear GEMM while keeping HF's
+    own attention forward: that forward calls q_proj(h), k_proj(h), v_proj(h) in turn on the same `h`, so
+    q_proj computes all three and hands k and v (column slices of the one output) to the next two calls.
+    A call with another input, or off the fused path, runs that layer's own Linear."""
+
+    def __init__(self, q: nn.Linear, k: nn.Linear, v: nn.Linear):
+        self.layers = [q, k, v]
+        self.stash: tuple | None = None
+
+    def install(self) -> None:
+        import types
+        for i, layer in enumerate(self.layers):
+            layer.forward = types.MethodType(lambda lin, x, _i=i: self.call(_i, lin, x), layer)
+
+    def call(self, i: int, layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        if i == 0:
+            self.stash = None
+            if _fusable_projection_input(x, self.layers):
+                sizes = [m.weight.shape[0] for m in self.layers]
+                q, k, v = grouped_linear(x, self.layers).split(sizes, dim=-1)
+                self.stash = (x, k, v)
+                return q
+        elif self.stash is not None and self.stash[0] is x:
+            out = self.stash[i]
+            if i == 2:
+                self.stash = None
+            return out
+        return F.linear(x, layer.weight, layer.bias)
 
 
 def _fused_rotary(original):
@@ -188,7 +283,7 @@ def use_fused_kernels(model: nn.Module) -> dict:
     every model of that class in this process. Returns how many modules of each kind were routed."""
     import sys
     import types
-    counts = {"rms_norm": 0, "silu_mul": 0, "rotary": 0}
+    counts = {"rms_norm": 0, "silu_mul": 0, "rotary": 0, "qkv_gemm": 0}
     for m in model.modules():
         name = type(m).__name__
         if name in FUSABLE_RMS_NORMS and hasattr(m, "variance_epsilon"):
@@ -208,6 +303,10 @@ def use_fused_kernels(model: nn.Module) -> dict:
             if not hasattr(current, "prefpipe_original"):
                 hf_module.apply_rotary_pos_emb = _fused_rotary(current)
             counts["rotary"] += 1
+            projections = [getattr(m, a, None) for a in ("q_proj", "k_proj", "v_proj")]
+            if all(type(x) is nn.Linear for x in projections) and len({x.in_features for x in projections}) == 1:
+                _QKVProjection(*projections).install()
+                counts["qkv_gemm"] += 1
     return counts
 
 

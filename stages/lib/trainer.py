@@ -302,6 +302,10 @@ class MasterWeightAdamW(torch.optim.AdamW):
     def state_dict(self) -> dict:
         sd = super().state_dict()
         sd["master_params"] = [m.detach().clone() for m in self.master_params]
+        # flat_adamw shares one step tensor between all parameters: a state_dict loaded back on the same
+        # device would keep that sharing, and torch's AdamW, which increments each parameter's own step,
+        # would count one step per parameter.
+        sd["state"] = {i: {**st, "step": st["step"].clone()} if "step" in st else st for i, st in sd["state"].items()}
         return sd
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -494,14 +498,24 @@ def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor],
 
 
 def graphed_optimizer_step(optimizer, module: nn.Module, settings: TrainSettings, lrs: list[torch.Tensor],
-                           sums: torch.Tensor, row: torch.Tensor) -> None:
+                           sums: torch.Tensor, row: torch.Tensor, flat=None) -> None:
     """The optimizer step of the CUDA-graph path (capturable: no host syncs, no allocation that outlives it):
     row = [metric sums, grad norm], clipped AdamW, zero the persistent gradients.
+
+    flat (a flat_adamw.FlatMasterAdamW): all of that in three Triton kernels over flat buffers. Otherwise:
 
     The norm is that of the model's own gradients (bf16 under precision bf16: the fp32 master copies hold
     the same values, and reading half the bytes is faster), and the clip coefficient of clip_grad_norm_
     (max_norm / (norm + 1e-6), at most 1) is applied inside the fused AdamW kernel as a gradient divisor
     instead of a separate multiply pass over every gradient; equal to the eager step up to rounding."""
+    if flat is not None:
+        grad_norm = flat.step(lrs)
+        torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+        with torch.no_grad():
+            row[:-1].copy_(sums)
+            row[-1:].copy_(grad_norm.reshape(1))
+            sums.zero_()
+        return
     master = isinstance(optimizer, MasterWeightAdamW)
     grads = [p.grad for p in module.parameters() if p.grad is not None]
     # per-tensor norms accumulated and returned in fp32 (a bf16 result would keep 3 significant digits)
@@ -547,12 +561,19 @@ class GraphedSteps:
         self.sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
         self.row = torch.zeros(len(objective.metric_names) + 1, dtype=torch.float64, device=device)
         self.lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in optimizer.param_groups]
+        from stages.lib.flat_adamw import FlatMasterAdamW
+        why_not_flat = FlatMasterAdamW.unsupported(optimizer)
+        self.flat = FlatMasterAdamW(optimizer, settings.max_grad_norm) if why_not_flat is None else None
+        flat_warmup_s = FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype) if self.flat else 0.0
         self.graphs = StepGraphs(
             device, fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, self.scale, self.sums),
-            optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, self.lrs, self.sums, self.row))
+            optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, self.lrs, self.sums, self.row,
+                                                          self.flat))
         self.info = {"enabled": True, "shapes": [asdict(s) for s in shapes],
                      "padded_tokens": int(sum(s.tokens for s in self.pad_to)),
-                     "real_tokens": int(sum(d.tokens for d in dims))}
+                     "real_tokens": int(sum(d.tokens for d in dims)),
+                     "optimizer": ({"kind": "flat_triton_adamw", "warmup_seconds": round(flat_warmup_s, 3)}
+                                   if self.flat else {"kind": "torch_fused_adamw", "why_not_flat": why_not_flat})}
         self.graphs.stream.wait_stream(torch.cuda.current_stream(device))   # the model and state were made there
 
     def step(self, n_micro: int, batches: Iterator[PackedBatch], scale: float) -> torch.Tensor:
@@ -570,6 +591,8 @@ class GraphedSteps:
         torch.cuda.current_stream(self.env.device).wait_stream(self.graphs.stream)
         self.info.update(self.graphs.summary())
         self.graphs.release()
+        if self.flat is not None:
+            self.flat.release()
         self.optimizer.zero_grad(set_to_none=True)
         for p in self.module.parameters():
             p.grad = None
