@@ -65,3 +65,34 @@ def test_params_section_names_map_to_dvc_params():
 def test_snakemake_lint_is_clean():
     r = subprocess.run(["snakemake", "--lint"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _stage_imports(module: str) -> set[str]:
+    """The repository files a `stages.*` module imports, transitively (what its results depend on)."""
+    import ast
+    seen, todo = set(), [module]
+    while todo:
+        name = todo.pop()
+        path = REPO_ROOT / (name.replace(".", "/") + ".py")
+        if not path.exists() or str(path) in seen:
+            continue
+        seen.add(str(path))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stages"):
+                todo.append(node.module)
+                todo += [f"{node.module}.{a.name}" for a in node.names]     # `from stages.lib import kernels`
+            elif isinstance(node, ast.Import):
+                todo += [a.name for a in node.names if a.name.startswith("stages")]
+    return {str(p.relative_to(REPO_ROOT)) for p in map(__import__("pathlib").Path, seen)}
+
+
+def test_every_stage_depends_on_all_the_code_it_imports():
+    """A code file a stage imports (directly or not) is one of its DVC/Snakemake deps, so editing it reruns
+    the stage (stages/lib/graphs.py was once missing from the training rules)."""
+    import re
+    dvc = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())
+    for name, stage in dvc["stages"].items():
+        modules = re.findall(r"-m (stages\.\w+)", stage["cmd"])
+        assert modules, name
+        missing = set().union(*(_stage_imports(m) for m in modules)) - set(stage["deps"])
+        assert not missing, f"dvc stage {name}: imports {sorted(missing)} but does not depend on them"

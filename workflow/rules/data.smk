@@ -25,7 +25,7 @@ rule normalize:
 rule freeze_probe:
     input:
         pairs=rules.normalize.output.pairs,
-        code=[py("freeze_probe"), *LIB],
+        code=[py("freeze_probe"), py("normalize"), *LIB],   # it hashes pairs with normalize.content_hash
     output:
         train=f"{RESULTS}/probe/train.parquet",
         probe=f"{RESULTS}/probe/probe.parquet",

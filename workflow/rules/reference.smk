@@ -27,7 +27,7 @@ rule tokenize:
         train=rules.freeze_probe.output.train,
         probe=rules.freeze_probe.output.probe,
         manifest=rules.freeze_probe.output.manifest,
-        code=[py("tokenize"), py("verify_ref"), *LIB],
+        code=[py("tokenize"), py("verify_ref"), py("normalize"), py("freeze_probe"), *LIB],
     output:
         train_tokens=f"{RESULTS}/tokens/train_tokens.parquet",
         probe_tokens=f"{RESULTS}/tokens/probe_tokens.parquet",

@@ -10,7 +10,8 @@ import os
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
 ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/kernels.py", "stages/lib/objectives.py",
-          "stages/lib/trainer.py", "stages/lib/graphs.py", "stages/lib/checkpoint.py", py("verify_ref"), *LIB]
+          "stages/lib/trainer.py", "stages/lib/graphs.py", "stages/lib/flat_adamw.py", "stages/lib/step_profiler.py",
+          "stages/lib/checkpoint.py", py("verify_ref"), *LIB]
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
 USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
