@@ -208,8 +208,9 @@ def grouped_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
 
 def _fusable_projection_input(x: torch.Tensor, layers: list[nn.Linear]) -> bool:
     """One GEMM for these layers: on the fused-kernel path (CUDA), same dtype throughout, no autocast
-    (autocast would run the GEMM in another dtype than the backward sees)."""
-    return (kernels.available(x) and not torch.is_autocast_enabled(x.device.type)
+    (autocast would run the GEMM in another dtype than the backward sees), not under torch.compile (which
+    fuses on its own and would have to trace the q -> k -> v hand-over)."""
+    return (kernels.available(x) and not torch.is_autocast_enabled(x.device.type) and not torch.compiler.is_compiling()
             and all(m.weight.dtype == x.dtype and (m.bias is None or m.bias.dtype == x.dtype) for m in layers))
 
 
