@@ -300,6 +300,7 @@ def main(argv=None) -> None:
                          "pairs_per_s": round(w["pairs"] / secs, 2), "mfu": round(fl / secs / peak, 4) if cuda else None,
                          "mfu_hw": round(fl_hw / secs / peak, 4) if cuda else None, "computed_tokens": computed,
                          "peak_mem_gib": round(max(info["peak_memory_bytes_per_rank"]) / 2**30, 2)})
+        save_partial()
     if "trl" in args.modes:
         script = Path(args.trl_script).resolve() if args.trl_script else patched_trl_anchor(
             shared / "bench" / "trl_anchor.py", args.shape, args.max_length,
@@ -313,10 +314,10 @@ def main(argv=None) -> None:
                 rows.append({"mode": f"trl_{mode}", "error": "failed (see trl_*.out)"})
                 continue
             result[f"trl_{mode}"] = t
-            save_partial()
             rows.append({"mode": f"trl_{mode}", "seconds": t["train_s"], "tokens": t["counted_tokens"],
                          "tokens_per_s": t["tokens_per_s"], "pairs_per_s": t["pairs_per_s"], "mfu": None,
                          "peak_mem_gib": t["peak_mem_gib"]})
+            save_partial()
     by = {r["mode"]: r for r in rows if "tokens_per_s" in r}
     for kind in ("dpo", "rm"):
         ours, trl = by.get(f"ours_{kind}"), by.get(f"trl_{kind}_tuned")
