@@ -1,6 +1,7 @@
 """The CUDA-graph step's optimizer: clipped AdamW of MasterWeightAdamW as three Triton kernels over flat buffers.
 
-Why: in the profile of the graphed 0.5B anchor step (bench/results/step_profile_h200*.txt) the optimizer
+Why: in the profile of the graphed 0.5B anchor step
+(bench/results/step_profile_h200_before/step_profile_train_dpo_graphs_steady.txt) the optimizer
 was a quarter of the GPU time: per-tensor foreach norms, a bf16 -> fp32 copy of every gradient into the
 masters' gradients, torch's fused AdamW, a fp32 -> bf16 copy of every master back into the model and a
 zeroing pass, each a full sweep (~22 GB of traffic per step for 0.5B parameters). Here the bf16

@@ -2,7 +2,7 @@
 the SiLU-gated product of the MLP.
 
 Why: with CUDA graphs the training step is GPU-bound, and in the profile of the 0.5B anchor step
-(bench/results/step_profile_h200*.txt) the elementwise kernels (mul, copy, add, sum) outweigh the GEMMs'
+(a profile made before these kernels existed) the elementwise kernels (mul, copy, add, sum) outweigh the GEMMs'
 neighbours: HF's rotary is ~5 kernels per tensor forward and ~8 backward (q * cos, a `cat` for
 rotate_half, another multiply, an add), its SiLU-gated product 2 forward and 3 backward, each a full
 pass over memory. Here each is one kernel forward and one backward, computing in fp32 and rounding once

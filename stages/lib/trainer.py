@@ -26,10 +26,11 @@ the same weights bit for bit on CPU.
 Precision: `train.precision: autocast` keeps fp32 weights under bf16 autocast on GPU; `bf16` casts the
 weights to bf16 and keeps fp32 masters in MasterWeightAdamW (FSDP2: MixedPrecisionPolicy instead).
 CUDA graphs (`train.cuda_graphs`, one process on a GPU): the eager step is host-launch bound (the host
-queues its kernels more slowly than the GPU runs them: bench/results/step_profile_h200.json), so each
-micro-batch is padded to one of a few shapes planned from the run and the step replays captured
-graphs (GraphedSteps below, mechanics in graphs.py). Several processes, compile and activation
-checkpointing train eagerly (run_info's `cuda_graphs` says why).
+queues its kernels more slowly than the GPU runs them:
+bench/results/step_profile_h200_before/summary_train_dpo_eager.json), so each micro-batch is padded
+to one of a few shapes planned from the run and the step replays captured graphs (GraphedSteps below,
+mechanics in graphs.py; under train.precision bf16 the optimizer step is flat_adamw.py's kernels).
+Several processes, compile and activation checkpointing train eagerly (run_info's `cuda_graphs` says why).
 """
 from __future__ import annotations
 
