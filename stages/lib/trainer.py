@@ -61,10 +61,10 @@ from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_
                                    reference_of, run_header, save_checkpoint)
 from stages.lib.io import write_json, write_jsonl, write_text
 from stages.lib.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
-from stages.lib.step_profiler import StepProfiler
 from stages.lib.packing import (BatchDims, MicroBatch, PackedBatch, StepPlan, TokenPairs, batch_dims, build_packed_batch,
                                 pad_packed_batch, plan_inference, plan_padded_shapes, plan_training,
                                 shared_prompt_flags)
+from stages.lib.step_profiler import StepProfiler
 
 log = logging.getLogger("trainer")
 
