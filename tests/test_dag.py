@@ -74,16 +74,16 @@ def _stage_imports(module: str) -> set[str]:
     while todo:
         name = todo.pop()
         path = REPO_ROOT / (name.replace(".", "/") + ".py")
-        if not path.exists() or str(path) in seen:
+        if not path.exists() or path in seen:
             continue
-        seen.add(str(path))
+        seen.add(path)
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("stages"):
                 todo.append(node.module)
                 todo += [f"{node.module}.{a.name}" for a in node.names]     # `from stages.lib import kernels`
             elif isinstance(node, ast.Import):
                 todo += [a.name for a in node.names if a.name.startswith("stages")]
-    return {str(p.relative_to(REPO_ROOT)) for p in map(__import__("pathlib").Path, seen)}
+    return {str(p.relative_to(REPO_ROOT)) for p in seen}
 
 
 def test_every_stage_depends_on_all_the_code_it_imports():

@@ -47,7 +47,8 @@ class FlatMasterAdamW:
         self.divisor = torch.ones((), dtype=torch.float32, device=device)
         self.step_count: torch.Tensor | None = None
         self.segments: list[tuple[int, int, int]] | None = None     # (group index, start, end)
-        self.grad = self.param = self.master = self.exp_avg = self.exp_avg_sq = self.partials = None
+        self.hyper: list[tuple[float, float, float, float]] = []    # per segment: beta1, beta2, eps, weight decay
+        self.grad = self.param = self.master = self.exp_avg = self.exp_avg_sq = self.partials = self.bias = None
 
     @staticmethod
     def unsupported(optimizer) -> str | None:
@@ -129,10 +130,11 @@ class FlatMasterAdamW:
         self.partials = torch.zeros(-(-offset // NORM_BLOCK), dtype=torch.float32, device=m0.device)
         # per segment: beta1^t, beta2^t (t = the step count so far, host doubles), beta1, beta2, and the two
         # bias corrections _clip_kernel writes each step
+        groups = [opt.param_groups[gi] for gi, _, _ in segments]
+        self.hyper = [(*g["betas"], g["eps"], g["weight_decay"]) for g in groups]
         t = float(self.step_count)
-        betas = [opt.param_groups[gi]["betas"] for gi, _, _ in segments]
-        self.bias = torch.tensor([[b1 ** t, b2 ** t, b1, b2, 0.0, 0.0] for b1, b2 in betas], dtype=torch.float64,
-                                 device=m0.device)
+        self.bias = torch.tensor([[b1 ** t, b2 ** t, b1, b2, 0.0, 0.0] for b1, b2, _, _ in self.hyper],
+                                 dtype=torch.float64, device=m0.device)
         self.segments = segments
 
     def step(self, lrs: list[torch.Tensor]) -> torch.Tensor:
@@ -140,12 +142,9 @@ class FlatMasterAdamW:
         norm as a 0-dim fp32 device tensor. lrs: one device tensor per parameter group."""
         if self.segments is None:
             self._build()
-        groups = self.optimizer.param_groups
-        hyper = [(groups[gi]["betas"][0], groups[gi]["betas"][1], groups[gi]["eps"], groups[gi]["weight_decay"])
-                 for gi, _, _ in self.segments]
         _launch(self.grad, self.param, self.master, self.exp_avg, self.exp_avg_sq, self.partials, self.norm,
                 self.divisor, self.step_count, self.bias, self.segments, [lrs[gi] for gi, _, _ in self.segments],
-                hyper, self.max_grad_norm)
+                self.hyper, self.max_grad_norm)
         return self.norm
 
     def release(self) -> None:

@@ -10,7 +10,8 @@ pass over memory. Here each is one kernel forward and one backward, computing in
 
 The routing (modeling.use_fused_kernels) sends a call here only on CUDA with Triton importable; CPU and
 anything unusual keep HF's own code. `warm_up` compiles every kernel variant a run uses before it is timed
-(Triton compiles on first launch and caches on disk).
+(Triton compiles on first launch and caches on disk). The flat AdamW's three kernels live here too; their
+caller, layout and warm-up are stages/lib/flat_adamw.py.
 """
 from __future__ import annotations
 
@@ -80,24 +81,35 @@ if triton is not None:
     # 16-element groups and the loads vectorize; without it they are split per element, slower than
     # HF's two kernels (measured). T * intermediate is a multiple of 16 for every usual width.
     @triton.jit
+    def _silu_mul(g, u):
+        """silu(g) * u in fp32 (both SiLU-mul layouts below)."""
+        return g * tl.sigmoid(g) * u
+
+    @triton.jit
+    def _silu_mul_grads(do, g, u):
+        """out = silu(g) * u -> (dg, du):  dg = dout * u * s * (1 + g (1 - s)),  du = dout * silu(g),
+        s = sigmoid(g)."""
+        s = tl.sigmoid(g)
+        return do * u * s * (1.0 + g * (1.0 - s)), do * g * s
+
+    @triton.jit
     def _silu_mul_fwd_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptr + offs, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + offs, _silu_mul(g, u).to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_bwd_kernel(do_ptr, g_ptr, u_ptr, dg_ptr, du_ptr, n, BLOCK: tl.constexpr):
-        """out = silu(g) * u:  du = dout * silu(g),  dg = dout * u * s * (1 + g (1 - s)),  s = sigmoid(g)."""
         offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         do = tl.load(do_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
-        tl.store(du_ptr + offs, (do * g * s).to(du_ptr.dtype.element_ty), mask=mask)
-        tl.store(dg_ptr + offs, (do * u * s * (1.0 + g * (1.0 - s))).to(dg_ptr.dtype.element_ty), mask=mask)
+        dg, du = _silu_mul_grads(do, g, u)
+        tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
+        tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
 
 
     # The MLP's fused gate|up projection gives one [T, 2W] tensor; these read its halves in place and the
@@ -109,7 +121,7 @@ if triton is not None:
         mask = j < width
         g = tl.load(x_ptr + t * 2 * width + j, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * 2 * width + width + j, mask=mask, other=0.0).to(tl.float32)
-        tl.store(o_ptr + t * width + j, (g * tl.sigmoid(g) * u).to(o_ptr.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + t * width + j, _silu_mul(g, u).to(o_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _silu_mul_halves_bwd_kernel(do_ptr, x_ptr, dx_ptr, width, BLOCK: tl.constexpr):
@@ -119,10 +131,9 @@ if triton is not None:
         do = tl.load(do_ptr + t * width + j, mask=mask, other=0.0).to(tl.float32)
         g = tl.load(x_ptr + t * 2 * width + j, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(x_ptr + t * 2 * width + width + j, mask=mask, other=0.0).to(tl.float32)
-        s = tl.sigmoid(g)
-        tl.store(dx_ptr + t * 2 * width + j, (do * u * s * (1.0 + g * (1.0 - s))).to(dx_ptr.dtype.element_ty),
-                 mask=mask)
-        tl.store(dx_ptr + t * 2 * width + width + j, (do * g * s).to(dx_ptr.dtype.element_ty), mask=mask)
+        dg, du = _silu_mul_grads(do, g, u)
+        tl.store(dx_ptr + t * 2 * width + j, dg.to(dx_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + t * 2 * width + width + j, du.to(dx_ptr.dtype.element_ty), mask=mask)
 
     # -- AdamW over flat fp32 master / moment buffers (stages/lib/flat_adamw.py) ------------------------
     @triton.jit
