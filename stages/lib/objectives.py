@@ -4,11 +4,15 @@ Each objective tells the shared trainer (trainer.py) four things: which model to
 reference directory, the per-pair loss and metrics from the model's per-sequence outputs, the
 probe JSONL rows, and what to export. The formulas follow the papers / TRL line by line:
 
-  DPO (Rafailov et al. 2023), logits = (pc - rc) - (pr - rr), p = policy, r = reference log-probs:
-    sigmoid: -logsigmoid(beta * logits) * (1 - eps) - logsigmoid(-beta * logits) * eps   (cDPO label smoothing)
+  DPO (Rafailov et al. 2023), logits = (pc - rc) - (pr - rr), p = policy, r = reference log-probs
+  (summed over the completion tokens), eps = dpo.label_smoothing; `dpo.loss` selects (see
+  dpo_pair_losses for each one's relation to TRL 1.16's DPOTrainer loss_type / label_smoothing):
+    sigmoid: -logsigmoid(beta * logits) * (1 - eps) - logsigmoid(-beta * logits) * eps   (eps > 0: cDPO)
+    robust:  (-logsigmoid(beta * logits) * (1 - eps) + logsigmoid(-beta * logits) * eps) / (1 - 2 * eps)
     ipo:     (logits - 1 / (2 * beta)) ** 2                                             (Azar et al. 2023)
+    ipo_length_normalized: as ipo with each log-ratio divided by its completion's token count
     reference-free: rc = rr = 0.
-    implicit rewards: chosen = beta * (pc - rc), rejected = beta * (pr - rr).
+    implicit rewards (metrics, probe rows; whatever the loss): chosen = beta * (pc - rc), rejected = beta * (pr - rr).
   Reward model (Bradley-Terry, as TRL's RewardTrainer):
     -logsigmoid(sc - sr [- margin]) + center_rewards_coefficient * (sc + sr) ** 2
 
@@ -36,15 +40,60 @@ def tie_aware_accuracy(margin: torch.Tensor) -> torch.Tensor:
     return (margin > 0).to(torch.float64) + 0.5 * (margin == 0).to(torch.float64)
 
 
+DPO_LOSSES = ("sigmoid", "robust", "ipo", "ipo_length_normalized")
+IPO_LOSSES = ("ipo", "ipo_length_normalized")
+
+
+def check_dpo_loss(loss_type: str, label_smoothing: float) -> None:
+    """Refuse a loss name we do not know, and a label_smoothing the chosen loss would silently ignore."""
+    if loss_type not in DPO_LOSSES:
+        raise ValueError(f"unknown DPO loss {loss_type!r} ({' | '.join(DPO_LOSSES)})")
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"dpo.label_smoothing = {label_smoothing}: must lie in [0, 0.5)")
+    if loss_type in IPO_LOSSES and label_smoothing:
+        raise ValueError(f"dpo.label_smoothing = {label_smoothing} has no meaning for dpo.loss: {loss_type} "
+                         "(IPO has no label smoothing; TRL ignores it there): set it to 0, or use sigmoid (cDPO) "
+                         "or robust")
+
+
 def dpo_pair_losses(pc: torch.Tensor, pr: torch.Tensor, rc: torch.Tensor, rr: torch.Tensor, *, beta: float,
-                    loss_type: str = "sigmoid", label_smoothing: float = 0.0) -> torch.Tensor:
+                    loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                    chosen_tokens: torch.Tensor | None = None,
+                    rejected_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair DPO losses from summed completion log-probs (policy pc/pr, reference rc/rr; 0 when reference-free).
+
+    chosen_tokens / rejected_tokens: each branch's completion token count (the tokens summed into pc / pr),
+    needed by ipo_length_normalized only. Relation to TRL 1.16 DPOTrainer (`loss_type`, `label_smoothing`):
+      sigmoid, eps = 0: TRL `sigmoid`, the same loss.
+      sigmoid, eps > 0: conservative DPO (cDPO; E. Mitchell, "A note on DPO with noisy preferences &
+        relationship to IPO", 2023): the expected DPO loss when each label is flipped with probability eps.
+        TRL 1.16's `sigmoid` ignores label_smoothing; TRL <= 0.28's `sigmoid` applied this same formula.
+      robust: TRL `robust` (same formula, label_smoothing = eps): the unbiased loss of Chowdhury, Kini &
+        Natarajan, "Provably Robust DPO: Aligning Language Models with Noisy Feedback", ICML 2024
+        (arXiv:2403.00409), ((1 - eps) * l(beta * logits) - eps * l(-beta * logits)) / (1 - 2 * eps), l = -logsigmoid.
+        Equal to sigmoid at eps = 0; unlike cDPO it is unbounded below for eps > 0.
+      ipo: Azar et al., "A General Theoretical Paradigm to Understand Learning from Human Preferences", 2023
+        (arXiv:2310.12036), Eq. 17 with beta = tau, on the SUMMED sequence log-ratios, as written in the paper.
+        Differs from TRL `ipo`, whose log-ratios are divided by the completion length first.
+      ipo_length_normalized: TRL `ipo` (TRL 0.x and 1.x): Eq. 17 on the per-token MEAN log-ratios,
+        ((pc - rc) / n_c - (pr - rr) / n_r - 1 / (2 * beta)) ** 2, n = completion tokens (clamped to >= 1, as TRL,
+        so the empty padding sequences of a packed batch stay finite).
+      IPO has no label smoothing: eps > 0 is refused with either (TRL ignores it).
+    """
+    check_dpo_loss(loss_type, label_smoothing)
+    if loss_type == "ipo_length_normalized":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("dpo.loss ipo_length_normalized needs the completion token counts of both branches")
+        n_c, n_r = chosen_tokens.clamp(min=1).to(pc.dtype), rejected_tokens.clamp(min=1).to(pc.dtype)
+        return ((pc - rc) / n_c - (pr - rr) / n_r - 1 / (2 * beta)) ** 2
     logits = (pc - rc) - (pr - rr)
     if loss_type == "sigmoid":
         return (-F.logsigmoid(beta * logits) * (1 - label_smoothing)
                 - F.logsigmoid(-beta * logits) * label_smoothing)
-    if loss_type == "ipo":
-        return (logits - 1 / (2 * beta)) ** 2
-    raise ValueError(f"unknown DPO loss {loss_type!r} (sigmoid | ipo)")
+    if loss_type == "robust":
+        return ((-F.logsigmoid(beta * logits) * (1 - label_smoothing)
+                 + F.logsigmoid(-beta * logits) * label_smoothing) / (1 - 2 * label_smoothing))
+    return (logits - 1 / (2 * beta)) ** 2          # ipo
 
 
 def reward_pair_losses(sc: torch.Tensor, sr: torch.Tensor, margin: torch.Tensor | None = None, *,
@@ -119,6 +168,7 @@ class DPOObjective:
         self.beta = float(dpo_params["beta"])
         self.loss_type = dpo_params["loss"]
         self.label_smoothing = float(dpo_params["label_smoothing"])
+        check_dpo_loss(self.loss_type, self.label_smoothing)
         if self.name == "dpo" and ref_logps is None:
             raise RefLogpsError("objective dpo needs reference log-probs (--ref-logps from the ref_logps stage)")
         if self.name == "dpo_ref_free":
@@ -157,8 +207,16 @@ class DPOObjective:
     def pair_terms(self, seq_out: torch.Tensor, batch: PackedBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
         pc, pr = seq_out.view(-1, 2).unbind(-1)
         rc, rr = self._ref(split, batch.pair_index, pc)
+        n_c = n_r = None
+        if self.loss_type == "ipo_length_normalized":
+            # Completion tokens per sequence: logp_seq names the sequence of every log-prob summed into seq_out
+            # (device-side, no host sync, fixed shape: CUDA-graph safe). A padded batch's empty sequences count 0
+            # (clamped to 1 in the loss) and its trash sequence the padding's log-prob slots; both weigh 0.
+            counts = seq_out.new_zeros(seq_out.shape).index_add_(0, batch.logp_seq,
+                                                                 seq_out.new_ones(batch.logp_seq.shape))
+            n_c, n_r = counts.view(-1, 2).unbind(-1)
         losses = dpo_pair_losses(pc, pr, rc, rr, beta=self.beta, loss_type=self.loss_type,
-                                 label_smoothing=self.label_smoothing)
+                                 label_smoothing=self.label_smoothing, chosen_tokens=n_c, rejected_tokens=n_r)
         chosen_reward, rejected_reward = self.beta * (pc - rc).detach(), self.beta * (pr - rr).detach()
         margin = chosen_reward - rejected_reward
         metrics = torch.stack([losses.detach(), tie_aware_accuracy(margin), (margin == 0).double(), margin,
