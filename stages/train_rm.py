@@ -7,7 +7,9 @@
 
 The body starts from the verified reference directory, the scalar `score` head from the seeded RNG.
 Writes OUT_DIR/{model/ (AutoModelForSequenceClassification, num_labels=1), train_log.csv, run_info.json,
-probe_step0.jsonl, probe_final.jsonl}.
+probe_step0.jsonl, probe_final.jsonl}. The reward is read, in training, probes and the export alike, at each
+sequence's last token whose id != pad_token_id: the token HF's sequence-classification pooling reads
+(docs/ARTIFACTS.md, "Reward scoring position").
 """
 from __future__ import annotations
 

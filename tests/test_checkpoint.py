@@ -240,17 +240,21 @@ def test_rm_export_loads_back_with_identical_scores_and_the_head_guard(assets):
 
     exported = AutoModelForSequenceClassification.from_pretrained(assets / "rm/model", dtype=torch.float32)
     assert type(exported).__name__ == "Qwen2ForSequenceClassification" and exported.score.out_features == 1
-    # The trained packed path over the reloaded export: the very same scores, bit for bit.
+    # The trained packed path over the reloaded export: the same scores to fp32 precision (rtol/atol 1e-6,
+    # atol scaled to the scores' magnitude). Not bitwise: issue 16's fresh install differed by 1.5e-8, and
+    # fp32 agreement is what the export promises.
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo",
                       control_group=dist.group.WORLD)
-        probe = load_token_pairs(assets / "probe.parquet")
-        got = run_inference(SequenceRewards(load_reward_model(assets / "rm/model")), probe, env,
+        reloaded = load_reward_model(assets / "rm/model")
+        probe = load_token_pairs(assets / "probe.parquet").with_score_positions(reloaded.config.pad_token_id)
+        got = run_inference(SequenceRewards(reloaded), probe, env,
                             TrainSettings.from_params(yaml.safe_load(params.read_text())))
     finally:
         dist.destroy_process_group()
-    np.testing.assert_array_equal(got, want)
+    scale = max(1.0, float(np.abs(want).max()))
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6 * scale)
     # HF's own forward (its attention kernel, its last-token pooling) agrees to float precision.
     with torch.no_grad():
         for i, k in enumerate(probe.seq_ids[:10]):

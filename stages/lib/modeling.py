@@ -21,11 +21,16 @@ Triton kernels of stages/lib/kernels.py; q|k|v and gate|up as one GEMM each (Gro
 2 projections of the same input, and in a 0.5B step the k/v GEMMs are only 128 columns wide).
 
 Reward model: AutoModelForSequenceClassification (num_labels=1) = the causal-LM body + `score`
-(a linear hidden -> 1, no LM head); the score is read at the last completion token of each
-sequence, which is the position HF's own forward pools for an unpadded sequence, so the exported
-directory scores exactly as trained.
+(a linear hidden -> 1, no LM head). The score is read where HF's own forward pools for the exported
+config: the last token whose id != pad_token_id (TokenPairs.with_score_positions), with pad_token_id
+resolved once by `reward_pad_token_id` and exported in both config.json and the tokenizer, so the export
+batch-scored with right padding reproduces the training and probe scores (pad == EOS included: a trailing
+EOS is then not read, as in TRL's RewardTrainer).
 """
 from __future__ import annotations
+
+import logging
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -403,7 +408,8 @@ class SequenceLogProbs(nn.Module):
 
 
 class SequenceRewards(nn.Module):
-    """Sequence-classification model (body + scalar `score`) -> one fp32 reward per packed sequence [S]."""
+    """Sequence-classification model (body + scalar `score`) -> one fp32 reward per packed sequence [S],
+    read at `last_positions` (from TokenPairs.with_score_positions(config.pad_token_id) for HF parity)."""
 
     def __init__(self, seq_cls: nn.Module):
         super().__init__()
@@ -443,9 +449,42 @@ def load_causal_lm(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
     return model
 
 
+TOKENIZER_MARKERS = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def reward_pad_token_id(model_dir, config) -> tuple[int, str]:
+    """(pad id, where it came from) for a reward model: the id HF's sequence-classification pooling skips
+    (it reads the last token != pad_token_id) and that a batch is right-padded with. One id for both, so
+    the directory's tokenizer, when it has one, decides: its pad token; else the config's pad_token_id;
+    else EOS (the tokenizer's, else the config's), as TRL and most users set pad = EOS. Refuses a model
+    with neither."""
+    tok = None
+    if any((Path(model_dir) / name).exists() for name in TOKENIZER_MARKERS):
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    cfg_pad = config.pad_token_id
+    if tok is not None and tok.pad_token_id is not None:
+        if cfg_pad is not None and cfg_pad != tok.pad_token_id:
+            logging.getLogger(__name__).warning(
+                "%s: config pad_token_id %s != the tokenizer's pad token %r (id %d); the reward model uses "
+                "and exports the tokenizer's, the id a padded batch carries", model_dir, cfg_pad,
+                tok.pad_token, tok.pad_token_id)
+        return int(tok.pad_token_id), "tokenizer pad_token"
+    if cfg_pad is not None:
+        return int(cfg_pad), "config pad_token_id"
+    eos = tok.eos_token_id if tok is not None and tok.eos_token_id is not None else config.eos_token_id
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if eos is None or isinstance(eos, (list, tuple)):
+        raise ModelLoadError(f"{model_dir}: no pad token and no EOS token, so no padding id a reward model "
+                             "can share with transformers' sequence-classification pooling; set pad_token_id in "
+                             "config.json (or a pad token in the tokenizer)")
+    return int(eos), "eos_token (no pad token)"
+
+
 def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
     """Body from `model_dir` + scalar head `score` (num_labels=1). A new head is initialised from the
-    torch RNG (seed first); pad_token_id is set so HF's own forward pools the last real token."""
+    torch RNG (seed first). config.pad_token_id is set to `reward_pad_token_id` (the model records where
+    it came from in `prefpipe_pad_source`); the reward is read at the last token != that id."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
     config = AutoConfig.from_pretrained(model_dir)
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
@@ -459,8 +498,6 @@ def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Modul
         raise ModelLoadError(f"{model_dir}: body weights missing from the checkpoint: {sorted(missing)[:8]}")
     if not isinstance(getattr(model, "score", None), nn.Linear) or model.score.out_features != 1:
         raise ModelLoadError(f"{model_dir}: {type(model).__name__} has no scalar `score` head")
-    if model.config.pad_token_id is None:
-        eos = model.config.eos_token_id
-        model.config.pad_token_id = (eos[0] if isinstance(eos, list) else eos) if eos is not None else 0
+    model.config.pad_token_id, model.prefpipe_pad_source = reward_pad_token_id(model_dir, model.config)
     model.prefpipe_fused_kernels = use_fused_kernels(model)
     return model

@@ -15,6 +15,8 @@ probe JSONL rows, and what to export. The formulas follow the papers / TRL line 
     implicit rewards (metrics, probe rows; whatever the loss): chosen = beta * (pc - rc), rejected = beta * (pr - rr).
   Reward model (Bradley-Terry, as TRL's RewardTrainer):
     -logsigmoid(sc - sr [- margin]) + center_rewards_coefficient * (sc + sr) ** 2
+    s = the score head on the last token whose id != the model's pad_token_id, the token HF's
+    AutoModelForSequenceClassification (hence TRL) pools (SCORE_POSITION; the same in training, probe, export).
 
 Per-pair losses are summed and divided by the GLOBAL pair count of the optimizer step in the
 trainer; accuracy counts a tie (margin exactly 0) as 0.5 and ties are reported separately.
@@ -105,6 +107,11 @@ def reward_pair_losses(sc: torch.Tensor, sr: torch.Tensor, margin: torch.Tensor 
     return loss
 
 
+# Where a reward model reads its score (TokenPairs.with_score_positions): transformers' sequence-classification
+# pooling for right-padded input, `(arange(T) * (input_ids != pad_token_id)).argmax(-1)`.
+SCORE_POSITION = "last_token_not_pad"
+
+
 def correct_label(margin: float) -> float:
     return 1.0 if margin > 0 else 0.0 if margin < 0 else 0.5
 
@@ -193,6 +200,11 @@ class DPOObjective:
     def hf_model(module: SequenceLogProbs):
         return module.lm
 
+    @staticmethod
+    def prepare_pairs(hf, pairs: TokenPairs) -> TokenPairs:
+        """A policy reads every completion token: the pairs as they are."""
+        return pairs
+
     def to(self, device: torch.device) -> "DPOObjective":
         if self.ref_cpu is not None:
             self.ref_device = {k: torch.from_numpy(v).to(device) for k, v in self.ref_cpu.items()}
@@ -259,7 +271,8 @@ class RewardObjective:
         self.margins_device: torch.Tensor | None = None
 
     def fingerprint(self) -> dict:
-        return {"objective": self.name, "center_rewards_coefficient": self.center, "use_margin": self.use_margin}
+        return {"objective": self.name, "center_rewards_coefficient": self.center, "use_margin": self.use_margin,
+                "score_position": SCORE_POSITION}
 
     def build_module(self, model_dir, train_settings) -> SequenceRewards:
         return SequenceRewards(load_reward_model(model_dir))
@@ -267,6 +280,20 @@ class RewardObjective:
     @staticmethod
     def hf_model(module: SequenceRewards):
         return module.seq_cls
+
+    @staticmethod
+    def prepare_pairs(hf, pairs: TokenPairs) -> TokenPairs:
+        """Score each sequence where transformers' AutoModelForSequenceClassification pools for the exported
+        config (the last token != config.pad_token_id); refuses a completion with no such token."""
+        return pairs.with_score_positions(hf.config.pad_token_id)
+
+    @staticmethod
+    def scoring_info(hf) -> dict:
+        """run_info's `reward_scoring`: where the reward is read, and with which pad id."""
+        eos = hf.config.eos_token_id
+        return {"position": SCORE_POSITION, "pad_token_id": hf.config.pad_token_id,
+                "pad_token_source": getattr(hf, "prefpipe_pad_source", None),
+                "eos_token_id": list(eos) if isinstance(eos, (list, tuple)) else eos}
 
     def to(self, device: torch.device) -> "RewardObjective":
         if self.margins_cpu is not None:

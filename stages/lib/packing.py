@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -51,9 +51,34 @@ class TokenPairs:
     margins: np.ndarray            # float64, NaN where the source had no margin
     seq_ids: list[np.ndarray]      # 2*n int64 arrays, interleaved chosen/rejected
     seq_prompt_lens: np.ndarray    # [2n] int64
+    # [2n] int64: the index, within each sequence, of the token a reward model reads (with_score_positions);
+    # None: the last token (a policy reads every completion token and never uses it).
+    score_index: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.pair_ids)
+
+    def with_score_positions(self, pad_token_id: int) -> "TokenPairs":
+        """These pairs with `score_index` set as transformers' AutoModelForSequenceClassification pools: the
+        last token whose id != pad_token_id (`(arange(T) * (input_ids != pad)).argmax(-1)`), so trailing
+        tokens equal to the pad id (e.g. an EOS when pad == EOS) are not read, in training, in the probe or
+        by whoever scores the export with right padding. Refuses a sequence whose completion holds no other
+        token: the reward would be read in the prompt (or, with no such token at all, at position 0)."""
+        out = np.empty(len(self.seq_ids), dtype=np.int64)
+        for s, ids in enumerate(self.seq_ids):
+            i = len(ids) - 1
+            while i >= 0 and ids[i] == pad_token_id:
+                i -= 1
+            if i < self.seq_prompt_lens[s]:
+                p = s // 2
+                raise TokenDataError(
+                    f"{self.source}: row {p} (pair {self.pair_ids[p]}) {('chosen', 'rejected')[s % 2]}: every "
+                    f"completion token is the pad token {pad_token_id}, so a reward model has nothing to score "
+                    "there (it reads the last token whose id != pad_token_id, as transformers' "
+                    "AutoModelForSequenceClassification does). Drop the pair, or give the reference a pad token "
+                    "that completions do not end with")
+            out[s] = i
+        return replace(self, score_index=out)
 
     @property
     def seq_lens(self) -> np.ndarray:
@@ -235,7 +260,9 @@ class PackedBatch:
     input_ids / position_ids [1, T]; cu_seqlens [S+1] int32 over query tokens; max_seqlen (host int);
     logp_positions [C]: hidden-state positions whose next token is a completion token,
     logp_targets [C]: that next token, logp_seq [C]: its sequence; last_positions [S]: the last
-    completion token of each sequence (the reward model's score position); seq_pair [S] / seq_is_chosen [S];
+    completion token of each sequence, or its `TokenPairs.score_index` token when set (the reward model's score
+    position: the last token that is not the pad token, see TokenPairs.with_score_positions); seq_pair [S] /
+    seq_is_chosen [S];
     pair_index [P]: row in TokenPairs (binds every output to its pair_id); pair_weight [P]: 1, or 0
     for the filler micro-batches that keep collectives aligned across ranks.
 
@@ -343,7 +370,10 @@ def build_packed_batch(pairs: TokenPairs, micro_batch: MicroBatch, weight: float
         pos_r = np.where(prev_r < s, start + prev_r, start + n_c + prev_r - s)
         logp_positions += [pos_c, pos_r]
         logp_targets += [c[pc:], r[pr:]]
-        last_positions += [start + n_c - 1, start + n_c + n_r - 1]
+        # score positions: the last token, or score_index (>= the prompt length >= s, so never in a shared prefix)
+        score_c, score_r = ((len(c) - 1, len(r) - 1) if pairs.score_index is None
+                            else (int(pairs.score_index[2 * p]), int(pairs.score_index[2 * p + 1])))
+        last_positions += [start + score_c, start + n_c + score_r - s]
         start += n_c + n_r
         logp_seq += [np.full(len(pos_c), s_c), np.full(len(pos_r), s_r)]
     seq_lens = [len(pairs.seq_ids[2 * p + b]) for p in micro_batch for b in (0, 1)]

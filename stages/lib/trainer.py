@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import io
+import json
 import logging
 import math
 import os
@@ -60,7 +61,7 @@ from torch import nn
 from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint,
                                    reference_of, run_header, save_checkpoint)
 from stages.lib.io import write_json, write_jsonl, write_text
-from stages.lib.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
+from stages.lib.modeling import TOKENIZER_MARKERS, USED_BACKENDS, attention_backend, warm_up_fused_kernels
 from stages.lib.packing import (BatchDims, MicroBatch, PackedBatch, StepPlan, TokenPairs, batch_dims, build_packed_batch,
                                 pad_packed_batch, plan_inference, plan_padded_shapes, plan_training,
                                 shared_prompt_flags)
@@ -637,13 +638,17 @@ class ExportError(ValueError):
 
 def check_export_head(hf: nn.Module, head: str) -> None:
     """A reward model exports only as a sequence-classification model with its scalar `score` head (a
-    causal-LM export would silently drop the head); a policy only as a causal LM with its LM head."""
+    causal-LM export would silently drop the head) and a pad_token_id (HF's pooling reads the last token
+    != it, as training did); a policy only as a causal LM with its LM head."""
     cls = type(hf).__name__
     if head == "score":
         score = getattr(hf, "score", None)
         if not cls.endswith("ForSequenceClassification") or not isinstance(score, nn.Linear) or score.out_features != 1:
             raise ExportError(f"refusing to export a reward model as {cls}: only a sequence-classification model "
                               "with a scalar `score` head (num_labels=1) keeps the trained head")
+        if hf.config.pad_token_id is None:
+            raise ExportError("refusing to export a reward model without config.pad_token_id: HF's pooling would "
+                              "read another token than the one trained (the last token != the pad id)")
     elif head == "lm_head":
         if cls.endswith(("ForSequenceClassification", "ForTokenClassification")) or hf.get_output_embeddings() is None:
             raise ExportError(f"refusing to export a policy as {cls}: a DPO policy exports as a causal LM with its "
@@ -652,10 +657,36 @@ def check_export_head(hf: nn.Module, head: str) -> None:
         raise ExportError(f"refusing to export: unknown head kind {head!r}")
 
 
+def export_tokenizer_pad(export_dir: Path, pad_token_id: int) -> None:
+    """A reward model's exported tokenizer pads with config.pad_token_id, the id HF's pooling skips, so a
+    batch right-padded by the tokenizer scores as trained. A tokenizer without a pad token (GPT-2, Llama)
+    gets the token of that id (EOS, as the trainer chose) written into tokenizer_config.json (and
+    special_tokens_map.json, if any); every other tokenizer file stays as copied. Checked by loading it back."""
+    export_dir = Path(export_dir)
+    if not any((export_dir / name).exists() for name in TOKENIZER_MARKERS):
+        return                                     # no tokenizer to export: the config alone decides
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(export_dir))
+    if tok.pad_token_id is None:
+        token = tok.convert_ids_to_tokens(int(pad_token_id))
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            path = export_dir / name
+            if path.exists() or name == "tokenizer_config.json":
+                cfg = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+                cfg["pad_token"] = token
+                path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tok = AutoTokenizer.from_pretrained(str(export_dir))
+    if tok.pad_token_id != pad_token_id:
+        raise ExportError(f"refusing to export a reward model whose tokenizer pads with id {tok.pad_token_id} "
+                          f"({tok.pad_token!r}) while config.pad_token_id = {pad_token_id}: a padded batch would "
+                          "be scored at another token than the one trained")
+
+
 def export_model(model: nn.Module, module: nn.Module, objective, settings: TrainSettings, env: DistEnv,
                  src_dir: Path, out_dir: Path) -> None:
     """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM).
-    Tokenizer files are copied from the source directory so the export is usable on its own."""
+    Tokenizer files are copied from the source directory so the export is usable on its own; a reward
+    model's tokenizer pads with its config.pad_token_id (export_tokenizer_pad)."""
     hf = objective.hf_model(module)
     check_export_head(hf, objective.head)
     state = None
@@ -677,6 +708,8 @@ def export_model(model: nn.Module, module: nn.Module, objective, settings: Train
         for name in TOKENIZER_FILES:
             if (Path(src_dir) / name).exists() and not (tmp / name).exists():
                 shutil.copy2(Path(src_dir) / name, tmp / name)
+        if objective.head == "score":
+            export_tokenizer_pad(tmp, hf.config.pad_token_id)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     dist.barrier(group=env.control_group)
@@ -705,6 +738,8 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
     module = objective.build_module(model_dir, settings)
     hf = objective.hf_model(module)
+    # A reward model's score positions follow its pad id (HF's pooling): set, or refused, before any work.
+    train_pairs, probe_pairs = objective.prepare_pairs(hf, train_pairs), objective.prepare_pairs(hf, probe_pairs)
     disable_dropout(module)
     if settings.activation_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -887,6 +922,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         "attention": sorted(USED_BACKENDS),
         "cuda_graphs": graph_info,
         "fused_kernels": {**getattr(hf, "prefpipe_fused_kernels", {}), "warmup_seconds": round(kernel_warmup_s, 3)},
+        **({"reward_scoring": objective.scoring_info(hf)} if objective.head == "score" else {}),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
         "model_parameters": n_params,
         "train_pairs": len(train_pairs),
