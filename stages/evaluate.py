@@ -12,7 +12,10 @@ Nothing is scored until every per-pair file is shown to be the frozen probe: the
 the manifest's pair IDs in the manifest's order, and the tokenize record's token hash for every pair.
 A different probe (a foreign pair, a reordering, a pair tokenized/truncated differently, 511 pairs)
 fails with a message saying which, because comparing step 0 and final (or two commits) on
-different pairs would be a silently wrong result.
+different pairs would be a silently wrong result. Probe pairs that tokenize truncated (`keep_end`,
+`truncate_completion`) are listed in the token manifest's `truncated` record; each entry must name a
+probe pair at its position, in order, with the token hash that is scored, and the counts by reason are
+reported in the bootstrap summary (`probe_truncated`).
 
 Per model and checkpoint (step 0, final): accuracy with ties counted as 0.5 (and the tie count), mean
 margin; for DPO `accuracy` is the implicit reward accuracy (chosen_reward > rejected_reward), and
@@ -80,6 +83,39 @@ def check_manifests(probe_manifest: dict, token_manifest: dict, probe_size: int)
         raise ProbeMismatchError(
             f"probe token manifest lists {len(t_ids)} pairs that differ from the probe manifest's {len(ids)} "
             f"(order or membership); tokenize did not tokenize the frozen probe")
+    check_truncation_record(token_manifest)
+
+
+def check_truncation_record(token_manifest: dict) -> list[dict]:
+    """The probe token manifest's `truncated` list (tokenize's record of every truncated probe pair) names
+    probe pairs at their positions, in probe order, each with the token hash that is scored; a record
+    made under `truncation: reject` lists none. A record without the key (older tokenize) lists none."""
+    truncated = token_manifest.get("truncated", [])
+    if not isinstance(truncated, list):
+        raise ProbeMismatchError("probe token manifest: truncated must be a list")
+    ids, hashes = token_manifest["pair_ids"], token_manifest["token_hashes"]
+    policy = (token_manifest.get("limits") or {}).get("truncation")
+    if truncated and policy == "reject":
+        raise ProbeMismatchError(f"probe token manifest: {len(truncated)} truncated pairs recorded under "
+                                 f"truncation: reject")
+    last = -1
+    for k, t in enumerate(truncated):
+        i = t.get("index") if isinstance(t, dict) else None
+        if not isinstance(i, int) or not 0 <= i < len(ids) or t.get("pair_id") != ids[i]:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] names pair "
+                                     f"{t.get('pair_id') if isinstance(t, dict) else t!r} at index {i!r}, "
+                                     f"which is not that probe position")
+        if i <= last:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] (index {i}) is out of probe order "
+                                     f"or repeated")
+        last = i
+        if t.get("token_hash") != hashes[i]:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] records token hash "
+                                     f"{t.get('token_hash')} for pair {ids[i]}, but the probe's token hash is "
+                                     f"{hashes[i]}: the record is not of the tokens that are scored")
+        if not isinstance(t.get("reason"), str) or not t["reason"]:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] (pair {ids[i]}) has no reason")
+    return truncated
 
 
 def _swapped_token_hashes(probe_tokens_path: str | Path) -> dict[str, tuple[str, str]]:
@@ -322,6 +358,13 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"evaluate: refused: {e}") from None
 
 
+def _truncation_counts(token_manifest: dict) -> dict:
+    by_reason: dict[str, int] = {}
+    for t in token_manifest.get("truncated", []):
+        by_reason[t["reason"]] = by_reason.get(t["reason"], 0) + 1
+    return {"pairs": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items()))}
+
+
 def _run(argv: list[str] | None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--params", required=True)
@@ -344,6 +387,11 @@ def _run(argv: list[str] | None) -> int:
     token_manifest = read_json(args.probe_token_manifest)
     check_manifests(probe_manifest, token_manifest, params["probe"]["size"])
     swapped = _swapped_token_hashes(args.probe_tokens) if args.probe_tokens else None
+    truncated = _truncation_counts(token_manifest)
+    if truncated["pairs"]:
+        log.info("probe: %d of %d pairs were truncated by tokenize %s (scored as truncated; listed in %s)",
+                 truncated["pairs"], len(probe_manifest["pair_ids"]), truncated["by_reason"],
+                 args.probe_token_manifest)
 
     inputs = {"probe_manifest": args.probe_manifest, "probe_token_manifest": args.probe_token_manifest,
               "dpo_step0": args.dpo_step0, "dpo_final": args.dpo_final,
@@ -370,6 +418,8 @@ def _run(argv: list[str] | None) -> int:
         "dtype": "float64",
         "probe_digest": probe_manifest["probe_digest"],
         "token_digest": token_manifest.get("token_digest"),
+        # How many of the scored probe pairs tokenize truncated, by reason (per pair: the token manifest).
+        "probe_truncated": _truncation_counts(token_manifest),
         # Content hashes only: the summary is packed into the evidence bundle, which holds no paths.
         "inputs_sha256": {name: sha256_file(p) for name, p in sorted(inputs.items())},
         "models": {kind: s for kind, (_, s, _) in models.items()},

@@ -5,8 +5,18 @@
         --rejections results/normalize/rejections.parquet \
         --stats results/normalize/normalize_stats.json --log logs/normalize.log
 
-Reads every source under `data.sources` in params.yaml (`{name, path, format, columns?}`; paths
+Reads every source under `data.sources` in params.yaml (`{name?, path, format, columns?}`; paths
 relative to the working directory) and writes the artifacts described in docs/ARTIFACTS.md.
+
+A source's `path` is a file, a glob (`*`, `?`, `[...]`; `**` spans directories) or a directory (every
+file under it with a suffix below, recursively, skipping hidden entries such as `hf download`'s
+`.cache/`), so shards as `hf download --repo-type dataset` leaves them (`data/train-*.parquet`,
+`*.jsonl.gz`) are one source. Its files are read in sorted path order (`source_paths`, which the
+Snakemake rule and so dvc.yaml use for the dependencies too); a glob or directory that names no such
+file fails the stage naming the pattern. Each pair's provenance is the file it came from (`src_file`)
+and its row in that file (`src_row`). `name` defaults to the file name without its data suffix (for a
+glob or directory: the last path component without wildcards), numbered `_2`, `_3`, ... where that
+name is already taken; names given explicitly must be unique.
 
 File types (by suffix): `.jsonl` / `.jsonl.gz` (one JSON object per line; src_row = 0-based line,
 blank lines skipped and counted), `.json` / `.json.gz` (one JSON list of objects; src_row = element
@@ -52,6 +62,7 @@ rejected. rows_in == pairs_out + rejected for every source (checked before anyth
 from __future__ import annotations
 
 import argparse
+import glob
 import gzip
 import json
 import math
@@ -478,12 +489,98 @@ def _raw_json(obj: Any) -> str:
     return text
 
 
+FILE_KINDS = ((".jsonl.gz", "jsonl.gz"), (".jsonl", "jsonl"), (".json.gz", "json.gz"), (".json", "json"),
+              (".parquet", "parquet"))
+
+
 def file_kind(path: str) -> str:
-    for suffix, kind in ((".jsonl.gz", "jsonl.gz"), (".jsonl", "jsonl"), (".json.gz", "json.gz"),
-                         (".json", "json"), (".parquet", "parquet")):
+    for suffix, kind in FILE_KINDS:
         if path.endswith(suffix):
             return kind
     raise SourceError(f"{path}: unknown file type (expected .jsonl, .jsonl.gz, .json, .json.gz or .parquet)")
+
+
+def _is_data_file(path: str) -> bool:
+    return any(path.endswith(suffix) for suffix, _ in FILE_KINDS)
+
+
+_GLOB_MAGIC = re.compile(r"[*?[]")
+
+
+def source_paths(path: str, base_dir: str | Path = ".") -> list[str]:
+    """The files a source's `path` names, in the order they are read (see the module docstring).
+
+    A plain file path is returned as is (a missing one fails when it is read). Returned paths have
+    the form of `path` (relative to base_dir when it is relative), with "/" separators. The one
+    expansion of globs and directories: the Snakemake rule lists these files as its inputs, which
+    dvc.yaml's deps are generated from (workflow/rules/data.smk, workflow/sync_dvc.py).
+    """
+    root = Path(base_dir)
+    absolute = Path(path).is_absolute()
+    if _GLOB_MAGIC.search(path):
+        matched = (glob.glob(path, recursive=True) if absolute
+                   else glob.glob(path, root_dir=root, recursive=True))
+        matched = [m.replace("\\", "/") for m in matched
+                   if (Path(m) if absolute else root / m).is_file()]
+        files = sorted(m for m in matched if _is_data_file(m))
+        if not files:
+            others = f"; it matches {len(matched)} file(s) of other types, e.g. {sorted(matched)[0]}" if matched else ""
+            where = "" if absolute else f" (relative to {root.resolve()})"
+            raise SourceError(f"{path}: the glob matches no .jsonl, .jsonl.gz, .json, .json.gz or .parquet "
+                              f"file{where}{others}")
+        return files
+    full = Path(path) if absolute else root / path
+    if full.is_dir():
+        prefix = path.rstrip("/")
+        files = sorted(f"{prefix}/{rel.as_posix()}" for rel in (f.relative_to(full) for f in full.rglob("*"))
+                       if not any(part.startswith(".") for part in rel.parts)
+                       and (full / rel).is_file() and _is_data_file(rel.name))
+        if not files:
+            raise SourceError(f"{path}: the directory holds no .jsonl, .jsonl.gz, .json, .json.gz or .parquet "
+                              f"file (hidden entries skipped)")
+        return files
+    return [path]
+
+
+def default_source_name(path: str) -> str:
+    """A source's default name: its file name without the data suffix; for a glob or directory the
+    last path component left after removing wildcards (e.g. `data/train-*.parquet` -> `train`,
+    `raw/hh-rlhf/harmless-base/` -> `harmless-base`); characters outside [A-Za-z0-9_.-] become `_`."""
+    parts = [p for p in path.replace("\\", "/").split("/") if p not in ("", ".", "..")]
+    for k, part in enumerate(reversed(parts)):
+        if k == 0:
+            for suffix, _ in FILE_KINDS:
+                if part.endswith(suffix):
+                    part = part[:-len(suffix)]
+                    break
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", _GLOB_MAGIC.sub("", re.sub(r"\[[^]]*]", "", part))).strip("_.-")
+        if name:
+            return name
+    return "source"
+
+
+def resolve_sources(sources: list[dict]) -> list[dict]:
+    """Copies of the source specs with every `name` filled in (defaults made unique, in params order)."""
+    explicit: dict[str, int] = {}
+    for i, spec in enumerate(sources):
+        name = spec.get("name")
+        if name is not None:
+            if name in explicit:
+                raise SourceError(f"data.sources[{i}]: name {name!r} is also the name of data.sources"
+                                  f"[{explicit[name]}]; source names must be unique (they label every pair)")
+            explicit[name] = i
+    taken, out = set(explicit), []
+    for spec in sources:
+        spec = dict(spec)
+        if spec.get("name") is None and isinstance(spec.get("path"), str) and spec["path"]:
+            base = default_source_name(spec["path"])
+            name, k = base, 2
+            while name in taken:
+                name, k = f"{base}_{k}", k + 1
+            taken.add(name)
+            spec["name"] = name
+        out.append(spec)
+    return out
 
 
 _BLANK = object()  # sentinel: a whitespace-only jsonl line, skipped and counted
@@ -549,6 +646,7 @@ class Normalized:
 
 
 def check_source_spec(spec: dict, index: int) -> None:
+    """One source entry after resolve_sources (so `name` is filled in)."""
     where = f"data.sources[{index}] ({spec.get('name', '?')})"
     for key in ("name", "path", "format"):
         if not isinstance(spec.get(key), str) or not spec[key]:
@@ -565,52 +663,25 @@ def check_source_spec(spec: dict, index: int) -> None:
 
 
 def normalize_sources(sources: list[dict], base_dir: str | Path = ".") -> Normalized:
-    """Read and normalize every source in order; duplicates keep the first (source, row)."""
+    """Read and normalize every source in order (its files in source_paths order); duplicates keep the
+    first (source, file, row)."""
+    sources = resolve_sources(sources)
     for i, spec in enumerate(sources):
         check_source_spec(spec, i)
     out = Normalized()
     first_seen: dict[str, tuple[str, str, int]] = {}  # content_hash -> (source, file, row)
     per_source = []
     for spec in sources:
-        name, path, fmt = spec["name"], spec["path"], spec["format"]
-        rows = read_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
-        stat = {"name": name, "path": path, "format": fmt, "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
-                "rejected": {r: 0 for r in REASONS}, "parsed_as": {}}
-
-        def reject(row: SourceRow, err: RowRejected) -> None:
-            stat["rejected"][err.reason] += 1
-            out.rejections.append({"source": name, "src_file": path, "src_row": row.src_row, "reason": err.reason,
-                                   "detail": f"{path} row {row.src_row}: {err.detail}", "raw": row.raw})
-
-        for row in rows:
-            if row.value is _BLANK:
-                stat["blank_lines"] += 1
-                continue
-            stat["rows_in"] += 1
-            try:
-                if row.error is not None:
-                    raise row.error
-                pair = normalize_row(row.value, fmt, spec.get("columns"))
-                if pair.content_hash in first_seen:
-                    s, f, r = first_seen[pair.content_hash]
-                    raise RowRejected("duplicate", f"same prompt, chosen and rejected as {s} {f} row {r}")
-                # Keeping both orders of one comparison would train on a preference and its opposite.
-                swapped = content_hash(pair.prompt, pair.rejected, pair.chosen)
-                if swapped in first_seen:
-                    s, f, r = first_seen[swapped]
-                    raise RowRejected("contradicts", f"{s} {f} row {r} has this prompt with chosen and rejected swapped")
-            except RowRejected as err:
-                reject(row, err)
-                continue
-            first_seen[pair.content_hash] = (name, path, row.src_row)
-            stat["parsed_as"][pair.fmt] = stat["parsed_as"].get(pair.fmt, 0) + 1
-            stat["pairs_out"] += 1
-            out.pairs.append({"pair_id": pair.pair_id, "content_hash": pair.content_hash, "source": name,
-                              "prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected,
-                              "margin": pair.margin, "src_file": path, "src_row": row.src_row})
+        name, pattern, fmt = spec["name"], spec["path"], spec["format"]
+        stat = {"name": name, "path": pattern, "format": fmt, "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
+                "rejected": {r: 0 for r in REASONS}, "parsed_as": {}, "files": []}
+        for path in source_paths(pattern, base_dir):
+            rows = read_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
+            stat["files"].append({"path": path, "rows": sum(r.value is not _BLANK for r in rows)})
+            _normalize_file(rows, spec, path, stat, out, first_seen)
         stat["rejected_total"] = sum(stat["rejected"].values())
         if stat["rows_in"] != stat["pairs_out"] + stat["rejected_total"]:  # nothing may be lost
-            raise AssertionError(f"{path}: rows_in {stat['rows_in']} != pairs_out {stat['pairs_out']} "
+            raise AssertionError(f"{pattern}: rows_in {stat['rows_in']} != pairs_out {stat['pairs_out']} "
                                  f"+ rejected {stat['rejected_total']}")
         per_source.append(stat)
 
@@ -627,6 +698,44 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".") -> Normal
             totals["rejected"][r] += n
     out.stats = {"sources": per_source, "totals": totals}
     return out
+
+
+def _normalize_file(rows: list[SourceRow], spec: dict, path: str, stat: dict, out: Normalized,
+                    first_seen: dict[str, tuple[str, str, int]]) -> None:
+    """One file of a source: pairs and rejections appended to `out`, counts to the source's `stat`."""
+    name, fmt = spec["name"], spec["format"]
+
+    def reject(row: SourceRow, err: RowRejected) -> None:
+        stat["rejected"][err.reason] += 1
+        out.rejections.append({"source": name, "src_file": path, "src_row": row.src_row, "reason": err.reason,
+                               "detail": f"{path} row {row.src_row}: {err.detail}", "raw": row.raw})
+
+    for row in rows:
+        if row.value is _BLANK:
+            stat["blank_lines"] += 1
+            continue
+        stat["rows_in"] += 1
+        try:
+            if row.error is not None:
+                raise row.error
+            pair = normalize_row(row.value, fmt, spec.get("columns"))
+            if pair.content_hash in first_seen:
+                s, f, r = first_seen[pair.content_hash]
+                raise RowRejected("duplicate", f"same prompt, chosen and rejected as {s} {f} row {r}")
+            # Keeping both orders of one comparison would train on a preference and its opposite.
+            swapped = content_hash(pair.prompt, pair.rejected, pair.chosen)
+            if swapped in first_seen:
+                s, f, r = first_seen[swapped]
+                raise RowRejected("contradicts", f"{s} {f} row {r} has this prompt with chosen and rejected swapped")
+        except RowRejected as err:
+            reject(row, err)
+            continue
+        first_seen[pair.content_hash] = (name, path, row.src_row)
+        stat["parsed_as"][pair.fmt] = stat["parsed_as"].get(pair.fmt, 0) + 1
+        stat["pairs_out"] += 1
+        out.pairs.append({"pair_id": pair.pair_id, "content_hash": pair.content_hash, "source": name,
+                          "prompt": pair.prompt, "chosen": pair.chosen, "rejected": pair.rejected,
+                          "margin": pair.margin, "src_file": path, "src_row": row.src_row})
 
 
 # ----------------------------------------------------------------------------------------------

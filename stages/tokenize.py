@@ -35,10 +35,26 @@ before it, ends after it) would either score prompt characters as completion or 
 characters from the score, so such a pair is rejected (`boundary_straddles_token`) rather than
 guessed. Offsets are taken with offset trimming off, so a trimmed leading space cannot hide a straddle.
 
-Truncation (params `tokenize`): prompt tokens > max_prompt_length -> `prompt_too_long` (either
-policy); full length > max_length -> `sequence_too_long` under `reject`, or under
-`truncate_completion` the completion is cut to fit (the cut completion then has no EOS: it did not
-end there). The probe must come through whole: any probe pair that would be rejected fails the stage.
+Truncation (params `tokenize`), for a pair whose prompt has more than max_prompt_length tokens or
+whose longer branch has more than max_length:
+* `reject`: `prompt_too_long` (the prompt is over) or else `sequence_too_long`.
+* `truncate_completion`: an over-long prompt is still `prompt_too_long`; otherwise the completions
+  are cut to fit max_length (the cut completion then has no EOS: it did not end there). Reason
+  `completion_cut`.
+* `keep_end` (TRL's truncation_mode="keep_end", at turn boundaries): the completions stay whole and
+  the prompt loses its oldest turns. The pair is re-rendered (and re-tokenized) with the prompt
+  `[system?] + prompt[j:]` for the first user turn j that makes both branches fit both limits
+  (reason `prompt_turns_dropped`; a leading system message is kept). When even the last user turn
+  alone does not fit, that turn's text is cut from the left by as few characters as fit (bisection
+  over the cut, each candidate re-tokenized and checked), moved on to the next word start where that
+  still fits (reason `prompt_text_cut`). A pair that
+  cannot fit even so (the completions leave no room, or the fixed part of the prompt is over
+  max_prompt_length) is rejected as `sequence_too_long` / `prompt_too_long`.
+Every truncated pair is counted per reason in the report (`truncated_by_reason`); each truncated
+probe pair is recorded in the probe token manifest (`truncated`: index, pair_id, reason, token counts
+before/after, messages and characters dropped, and the token hash of what is scored). The pair keeps
+its pair_id (the source pair); its token_hash is that of the truncated tokens.
+The probe must come through whole: any probe pair that would be rejected fails the stage.
 """
 from __future__ import annotations
 
@@ -58,7 +74,9 @@ from stages import normalize
 from stages.freeze_probe import probe_digest
 from stages.lib.params import load_params
 
-TRUNCATION_POLICIES = ("reject", "truncate_completion")
+TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end")
+# How a kept pair was cut (probe token manifest `truncated[].reason`, report `truncated_by_reason`).
+TRUNCATION_REASONS = ("completion_cut", "prompt_turns_dropped", "prompt_text_cut")
 PLAIN_ROLE_TAGS = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_TURN_SEPARATOR = "\n\n"
 ENCODE_BATCH_PAIRS = 1024
@@ -336,6 +354,7 @@ class SplitResult:
     rows: list[dict] = field(default_factory=list)
     rejections: list[dict] = field(default_factory=list)
     truncated: int = 0
+    truncations: list[dict] = field(default_factory=list)  # one record per truncated pair, input order
     prompt_tokens_differ: int = 0
     pairs_in: int = 0
 
@@ -373,24 +392,134 @@ def tokenize_pairs(pair_tokenizer: PairTokenizer, pairs: list[dict], limits: Tok
             if bad is not None:
                 result.rejections.append(_rejection(split, pair, bad[1].reason, f"{bad[0]}: {bad[1].detail}"))
                 continue
-            row = _apply_limits(result, pair, branches["chosen"], branches["rejected"], limits)
+            row = _apply_limits(result, pair, branches["chosen"], branches["rejected"], limits,
+                                pair_tokenizer)
             if row is not None:
                 result.rows.append(row)
     return result
 
 
+def _fits(branches: Iterable[Branch], limits: TokenizeLimits) -> bool:
+    return all(b.prompt_len <= limits.max_prompt_length and len(b.ids) <= limits.max_length for b in branches)
+
+
+def _truncation_record(pair: dict, reason: str, before: tuple[Branch, Branch], after: tuple[Branch, Branch],
+                       limits: TokenizeLimits, messages_dropped: int = 0, chars_dropped: int = 0) -> dict:
+    (c0, r0), (c1, r1) = before, after
+    exceeded = [name for name, over in (
+        ("max_prompt_length", max(c0.prompt_len, r0.prompt_len) > limits.max_prompt_length),
+        ("max_length", max(len(c0.ids), len(r0.ids)) > limits.max_length)) if over]
+    return {"pair_id": pair["pair_id"], "reason": reason, "exceeded": exceeded,
+            "prompt_tokens_before": max(c0.prompt_len, r0.prompt_len),
+            "prompt_tokens": max(c1.prompt_len, r1.prompt_len),
+            "chosen_tokens_before": len(c0.ids), "chosen_tokens": len(c1.ids),
+            "rejected_tokens_before": len(r0.ids), "rejected_tokens": len(r1.ids),
+            "prompt_messages_dropped": messages_dropped, "prompt_chars_dropped": chars_dropped}
+
+
+def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict,
+                    prompts: list[list[dict]]) -> list[tuple[Branch, Branch] | None]:
+    """(chosen, rejected) branches of the pair with each candidate prompt; None where one cannot be tokenized."""
+    rendered, ok = [], []
+    for prompt in prompts:
+        try:
+            rendered += [pair_tokenizer.render(prompt, pair["chosen"]), pair_tokenizer.render(prompt, pair["rejected"])]
+            ok.append(True)
+        except BranchRejected:
+            rendered += [("", ""), ("", "")]  # placeholders keep positions; never used
+            ok.append(False)
+    encoded = pair_tokenizer.encode(rendered)
+    out: list[tuple[Branch, Branch] | None] = []
+    for k, good in enumerate(ok):
+        c, r = encoded[2 * k], encoded[2 * k + 1]
+        out.append((c, r) if good and isinstance(c, Branch) and isinstance(r, Branch) else None)
+    return out
+
+
+def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected: Branch,
+             limits: TokenizeLimits) -> tuple[Branch, Branch, dict] | tuple[str, str]:
+    """Cut the prompt from the left so the pair fits (module docstring, `keep_end`).
+
+    Returns (chosen, rejected, truncation record), or (reason, detail) when nothing fits.
+    """
+    prompt = list(pair["prompt"])
+    head = 1 if prompt and prompt[0]["role"] == "system" else 0
+    # Turn boundaries: the prompt may start at any later user turn (user/assistant keep alternating).
+    starts = [j for j in range(head + 1, len(prompt)) if prompt[j]["role"] == "user"]
+    candidates = [prompt[:head] + prompt[j:] for j in starts]
+    for j, branches in zip(starts, _encode_prompts(pair_tokenizer, pair, candidates)):
+        if branches is not None and _fits(branches, limits):
+            return (*branches, _truncation_record(pair, "prompt_turns_dropped", (chosen, rejected), branches,
+                                                  limits, messages_dropped=j - head))
+
+    # No turn boundary fits: cut the last user turn's text from the left.
+    last = prompt[-1]
+    text = last["content"]
+    dropped = len(prompt) - 1 - head
+
+    def attempt(cut: int) -> tuple[Branch, Branch] | None:
+        if not text[cut:].strip():
+            return None
+        message = {**last, "content": text[cut:]}
+        [branches] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [message]])
+        return branches if branches is not None and _fits(branches, limits) else None
+
+    # The last character alone is the least prompt this rule can keep; if even that does not fit, reject.
+    smallest = max(i for i, ch in enumerate(text) if not ch.isspace()) if text.strip() else 0
+    best = attempt(smallest)
+    if best is None:
+        [minimal] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [{**last, "content": text[smallest:]}]])
+        completions = max(len(chosen.ids) - chosen.prompt_len, len(rejected.ids) - rejected.prompt_len)
+        least_prompt = max(b.prompt_len for b in minimal) if minimal else None
+        detail = (f"keep_end cannot fit the pair: the least prompt it can keep (the last turn's last character) "
+                  f"is {least_prompt} tokens and the longer completion {completions} tokens, under "
+                  f"max_prompt_length {limits.max_prompt_length} and max_length {limits.max_length}")
+        if least_prompt is not None and least_prompt > limits.max_prompt_length:
+            return "prompt_too_long", detail
+        return "sequence_too_long", detail
+    # Binary search for the smallest cut that fits: the candidate that keeps the most text (a longer
+    # text never has fewer tokens here except by BPE accident; what is kept is always a verified fit).
+    lo, hi = 0, smallest  # invariant: hi fits; cuts <= lo are known not to fit (0 = the whole turn)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        found = attempt(mid)
+        if found is not None:
+            hi, best = mid, found
+        else:
+            lo = mid
+    cut = hi
+    # Prefer a word start (a non-space character after a space) at or after the cut, if that still fits.
+    word = re.compile(r"\s\S").search(text, cut)
+    if cut > 0 and not text[cut - 1].isspace() and word is not None and word.start() + 1 <= smallest:
+        at_word = attempt(word.start() + 1)
+        if at_word is not None:
+            cut, best = word.start() + 1, at_word
+    return (*best, _truncation_record(pair, "prompt_text_cut", (chosen, rejected), best, limits,
+                                      messages_dropped=dropped, chars_dropped=cut))
+
+
 def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Branch,
-                  limits: TokenizeLimits) -> dict | None:
+                  limits: TokenizeLimits, pair_tokenizer: PairTokenizer | None = None) -> dict | None:
     prompt_tokens = max(chosen.prompt_len, rejected.prompt_len)
     lengths = {"prompt_tokens": prompt_tokens, "chosen_tokens": len(chosen.ids),
                "rejected_tokens": len(rejected.ids)}
-    if prompt_tokens > limits.max_prompt_length:
+    longest = max(len(chosen.ids), len(rejected.ids))
+    if limits.truncation == "keep_end" and not _fits((chosen, rejected), limits):
+        if pair_tokenizer is None:
+            raise TypeError("keep_end truncation re-renders the pair: pass the PairTokenizer")
+        kept = keep_end(pair_tokenizer, pair, chosen, rejected, limits)
+        if len(kept) == 2:
+            result.rejections.append(_rejection(result.split, pair, kept[0], kept[1], **lengths))
+            return None
+        chosen, rejected, record = kept
+        result.truncated += 1
+        result.truncations.append(record)
+    elif prompt_tokens > limits.max_prompt_length:
         result.rejections.append(_rejection(
             result.split, pair, "prompt_too_long",
             f"prompt has {prompt_tokens} tokens > max_prompt_length {limits.max_prompt_length}", **lengths))
         return None
-    longest = max(len(chosen.ids), len(rejected.ids))
-    if longest > limits.max_length:
+    elif longest > limits.max_length:
         if limits.truncation == "reject":
             result.rejections.append(_rejection(
                 result.split, pair, "sequence_too_long",
@@ -398,9 +527,11 @@ def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Bra
                 f"{limits.max_length}", **lengths))
             return None
         # Prompt <= max_prompt_length < max_length, so at least one completion token survives.
-        chosen = Branch(chosen.ids[:limits.max_length], chosen.prompt_len)
-        rejected = Branch(rejected.ids[:limits.max_length], rejected.prompt_len)
+        cut = (Branch(chosen.ids[:limits.max_length], chosen.prompt_len),
+               Branch(rejected.ids[:limits.max_length], rejected.prompt_len))
         result.truncated += 1
+        result.truncations.append(_truncation_record(pair, "completion_cut", (chosen, rejected), cut, limits))
+        chosen, rejected = cut
     if chosen.ids[:chosen.prompt_len] != rejected.ids[:rejected.prompt_len]:
         result.prompt_tokens_differ += 1
     return {"pair_id": pair["pair_id"], "chosen_ids": chosen.ids, "chosen_prompt_len": chosen.prompt_len,
@@ -479,12 +610,22 @@ def rejections_table(rejections: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rejections, schema=REJECTIONS_SCHEMA)
 
 
-def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity: str) -> dict:
+def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity: str,
+                         truncations: list[dict] = (), limits: TokenizeLimits | None = None) -> dict:
+    """The tokenize record evaluate checks. `truncated` lists every truncated probe pair, in probe
+    order, with its index and the token_hash of the (truncated) tokens that are scored."""
     pair_ids = [r["pair_id"] for r in probe_rows]
     hashes = [r["token_hash"] for r in probe_rows]
-    return {"pair_ids": pair_ids, "token_hashes": hashes,
-            "token_digest": sha256_json([[p, h] for p, h in zip(pair_ids, hashes)]),
-            "probe_digest": probe_digest, "tokenizer_identity": tok_identity}
+    index = {pid: i for i, pid in enumerate(pair_ids)}
+    truncated = sorted(({"index": index[t["pair_id"]], **t, "token_hash": hashes[index[t["pair_id"]]]}
+                        for t in truncations), key=lambda t: t["index"])
+    manifest = {"pair_ids": pair_ids, "token_hashes": hashes,
+                "token_digest": sha256_json([[p, h] for p, h in zip(pair_ids, hashes)]),
+                "probe_digest": probe_digest, "tokenizer_identity": tok_identity}
+    if limits is not None:
+        manifest["limits"] = limits.as_dict()
+    manifest["truncated"] = truncated
+    return manifest
 
 
 def _length_stats(values: Iterable[int]) -> dict:
@@ -500,10 +641,12 @@ def split_report(result: SplitResult) -> dict:
     reasons: dict[str, int] = {}
     for r in result.rejections:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    truncated = {reason: sum(t["reason"] == reason for t in result.truncations) for reason in TRUNCATION_REASONS}
     rows = result.rows
     return {
         "pairs_in": result.pairs_in, "pairs_out": len(rows), "rejected": len(result.rejections),
         "rejected_by_reason": dict(sorted(reasons.items())), "truncated": result.truncated,
+        "truncated_by_reason": truncated,
         "prompt_tokens_differ": result.prompt_tokens_differ,
         "lengths": {
             "prompt": _length_stats(r["chosen_prompt_len"] for r in rows),
@@ -528,7 +671,9 @@ def tokenize_report(results: list[SplitResult], limits: TokenizeLimits, renderin
                        "pairs_out": sum(s["pairs_out"] for s in splits.values()),
                        "rejected": sum(s["rejected"] for s in splits.values()),
                        "rejected_by_reason": dict(sorted(reasons.items())),
-                       "truncated": sum(s["truncated"] for s in splits.values())}}
+                       "truncated": sum(s["truncated"] for s in splits.values()),
+                       "truncated_by_reason": {k: sum(s["truncated_by_reason"][k] for s in splits.values())
+                                               for k in TRUNCATION_REASONS}}}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -568,7 +713,12 @@ def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path
     probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
     check_probe_complete(probe_result, limits)
     train_result = tokenize_pairs(pair_tokenizer, train, limits, "train")
-    token_manifest = probe_token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity)
+    token_manifest = probe_token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity,
+                                          probe_result.truncations, limits)
+    if probe_result.truncations:
+        counts = {k: v for k, v in split_report(probe_result)["truncated_by_reason"].items() if v}
+        log.info("probe: %d pairs truncated %s (each recorded in the probe token manifest)",
+                 len(probe_result.truncations), canonical_json(counts))
     report = tokenize_report([train_result, probe_result], limits, pair_tokenizer.rendering, tok_identity)
     return train_result, probe_result, token_manifest, report
 

@@ -269,3 +269,24 @@ def test_cli_refuses_511_pairs_and_writes_nothing(tmp_path):
         _run_cli(tmp_path, params, "x", extra_dpo_final=str(short))
     assert not (tmp_path / "x/metrics").exists() and not (tmp_path / "x/bootstrap_summary.json").exists()
     assert "wrong count: 511" in (tmp_path / "x/evaluate.log").read_text()
+
+
+def test_cli_reports_truncated_probe_pairs_and_refuses_a_record_of_other_tokens(tmp_path):
+    """tokenize's `truncated` record (keep_end / truncate_completion) is checked, and counted in the summary."""
+    params = base_params(bootstrap_replicates=100)
+    write_all(tmp_path, params)
+    tm_path = tmp_path / "results/tokens/probe_token_manifest.json"
+    tm = json.loads(tm_path.read_text())
+    tm["limits"] = {"max_length": 1024, "max_prompt_length": 256, "truncation": "keep_end"}
+    tm["truncated"] = [{"index": i, "pair_id": tm["pair_ids"][i], "reason": reason, "token_hash": tm["token_hashes"][i]}
+                       for i, reason in ((3, "prompt_turns_dropped"), (40, "prompt_text_cut"), (41, "prompt_turns_dropped"))]
+    tm_path.write_text(json.dumps(tm))
+    summary = json.loads(_run_cli(tmp_path, params, "a")["bootstrap"].read_text())
+    assert summary["probe_truncated"] == {"pairs": 3, "by_reason": {"prompt_text_cut": 1, "prompt_turns_dropped": 2}}
+    assert "3 of 512 pairs were truncated" in (tmp_path / "a/evaluate.log").read_text()
+
+    tm["truncated"][1]["token_hash"] = tm["token_hashes"][0]
+    tm_path.write_text(json.dumps(tm))
+    with pytest.raises(SystemExit, match=r"refused: probe token manifest: truncated\[1\] .*not of the tokens that are scored"):
+        _run_cli(tmp_path, params, "x")
+    assert not (tmp_path / "x/bootstrap_summary.json").exists()

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,8 +15,9 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from stages.normalize import (REASONS, RowRejected, SourceError, main, normalize_row, normalize_sources,
-                              read_source_rows, split_implicit_strings)
+from stages.normalize import (REASONS, RowRejected, SourceError, default_source_name, main, normalize_row,
+                              normalize_sources, read_source_rows, resolve_sources, source_paths,
+                              split_implicit_strings)
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -501,3 +503,186 @@ def test_cli_fails_on_missing_source_and_writes_nothing(tmp_path, monkeypatch):
         main(cli_args("out"))
     assert not (proj / "out" / "pairs.parquet").exists()
     assert not (proj / "out" / "normalize_stats.json").exists()
+
+
+# ----------------------------------------------------------------------------------------------
+# Sources as users have them: globs and directories of shards, default names
+
+def _shard_rows() -> list[dict]:
+    """Rows with bad ones and a duplicate across shards (so the read order decides what is kept)."""
+    rows = [{"prompt": [U(f"Q{i}")], "chosen": [A(f"yes {i}")], "rejected": [A(f"no {i}")]} for i in range(20)]
+    rows[4] = {"prompt": [U("Q4")], "chosen": [A("same")], "rejected": [A("same")]}     # identical_pair
+    rows[9] = {"prompt": [U("Q9")], "chosen": [A("yes 9")], "rejected": None}           # schema
+    rows[17] = dict(rows[2])                                                           # duplicate of row 2
+    return rows
+
+
+def _write_shards(root: Path, rows: list[dict], bounds: list[int], name: str = "train") -> list[Path]:
+    """Shards named as `hf download` leaves them, written in reverse so the directory order is not the sort order."""
+    n = len(bounds) - 1
+    paths = [root / "data" / f"{name}-{k:05d}-of-{n:05d}.parquet" for k in range(n)]
+    (root / "data").mkdir(parents=True, exist_ok=True)
+    for k in reversed(range(n)):
+        pq.write_table(pa.Table.from_pylist(rows[bounds[k]:bounds[k + 1]]), paths[k])
+    return paths
+
+
+def _content(res) -> list[tuple]:
+    return sorted((p["pair_id"], p["content_hash"], json.dumps([p["prompt"], p["chosen"], p["rejected"]]), p["margin"])
+                  for p in res.pairs)
+
+
+def _assert_same_pairs_as_concatenated(sharded, whole, shards: list[str], bounds: list[int], whole_file: str):
+    assert _content(sharded) == _content(whole)
+    offset = {path: bounds[k] for k, path in enumerate(shards)}
+    # Provenance: the shard file and the row in it, which is the concatenated file's row minus the offset.
+    by_id = {p["pair_id"]: p for p in whole.pairs}
+    for p in sharded.pairs:
+        assert p["src_file"] in offset
+        assert offset[p["src_file"]] + p["src_row"] == by_id[p["pair_id"]]["src_row"]
+        assert by_id[p["pair_id"]]["src_file"] == whole_file
+    assert [(offset[r["src_file"]] + r["src_row"], r["reason"], r["raw"]) for r in sharded.rejections] == \
+        [(r["src_row"], r["reason"], r["raw"]) for r in whole.rejections]
+    stat = sharded.stats["sources"][0]
+    assert [f["path"] for f in stat["files"]] == shards
+    assert [f["rows"] for f in stat["files"]] == [b - a for a, b in zip(bounds, bounds[1:])]
+    for key in ("rows_in", "pairs_out", "rejected", "rejected_total", "parsed_as"):
+        assert stat[key] == whole.stats["sources"][0][key], key
+
+
+def test_glob_of_parquet_shards_normalizes_like_the_concatenated_file(tmp_path):
+    rows, bounds = _shard_rows(), [0, 7, 8, 20]
+    dl = tmp_path / "dl"
+    _write_shards(dl, rows, bounds)
+    _write_shards(dl, rows[:3], [0, 3], name="test")               # another split: not matched by the glob
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "all.parquet")
+    shards = [f"dl/data/train-{k:05d}-of-00003.parquet" for k in range(3)]
+    assert source_paths("dl/data/train-*.parquet", tmp_path) == shards
+
+    whole = normalize_sources([{"path": "all.parquet", "format": "trl"}], base_dir=tmp_path)
+    sharded = normalize_sources([{"path": "dl/data/train-*.parquet", "format": "trl"}], base_dir=tmp_path)
+    _assert_same_pairs_as_concatenated(sharded, whole, shards, bounds, "all.parquet")
+    assert [(r["reason"]) for r in whole.rejections] == ["identical_pair", "schema", "duplicate"]
+    # The duplicate (row 17, shard 2) names the first occurrence by its shard file and row.
+    dup = next(r for r in sharded.rejections if r["reason"] == "duplicate")
+    assert dup["src_file"] == shards[2] and f"{shards[0]} row 2" in dup["detail"]
+    assert sharded.stats["sources"][0]["name"] == "train" and whole.stats["sources"][0]["name"] == "all"
+
+
+def test_real_hh_rows_as_jsonl_gz_and_parquet_shards_match_the_file(hh_rlhf_path, tmp_path):
+    """The real HH-RLHF file split into .jsonl.gz and parquet shards, read through globs and a directory."""
+    lines = gzip.decompress(hh_rlhf_path.read_bytes()).decode("utf-8").splitlines()
+    bounds = [0, 500, 1000, 1700, len(lines)]
+    (tmp_path / "gz").mkdir()
+    (tmp_path / "pq" / "data").mkdir(parents=True)
+    for k in reversed(range(4)):
+        part = lines[bounds[k]:bounds[k + 1]]
+        write_jsonl(tmp_path / "gz" / f"harmless-{k:02d}.jsonl.gz", part, gz=True)
+        pq.write_table(pa.Table.from_pylist([json.loads(line) for line in part]),
+                       tmp_path / "pq" / "data" / f"train-{k:05d}-of-00004.parquet")
+    # What `hf download` leaves beside the shards: a card and its .cache/ bookkeeping, no data.
+    (tmp_path / "pq" / "README.md").write_text("# card")
+    (tmp_path / "pq" / ".cache" / "huggingface").mkdir(parents=True)
+    pq.write_table(pa.Table.from_pylist([{"chosen": "x", "rejected": "y"}]),
+                   tmp_path / "pq" / ".cache" / "huggingface" / "stale.parquet")
+
+    whole = normalize_sources([{"name": "hh", "path": str(hh_rlhf_path), "format": "hh"}])
+    assert len(whole.pairs) == 2299
+    gz_shards = [f"gz/harmless-{k:02d}.jsonl.gz" for k in range(4)]
+    pq_shards = [f"pq/data/train-{k:05d}-of-00004.parquet" for k in range(4)]
+    assert source_paths("pq/", tmp_path) == pq_shards
+    for path, shards in (("gz/*.jsonl.gz", gz_shards), ("pq", pq_shards), ("pq/**/*.parquet", pq_shards)):
+        sharded = normalize_sources([{"name": "hh", "path": path, "format": "hh"}], base_dir=tmp_path)
+        _assert_same_pairs_as_concatenated(sharded, whole, shards, bounds, str(hh_rlhf_path))
+
+
+def test_source_name_defaults_to_the_file_stem_made_unique(tmp_path):
+    assert default_source_name("../shared/data/hh-rlhf/harmless-base-test.jsonl.gz") == "harmless-base-test"
+    assert default_source_name("data/train-*.parquet") == "train"
+    assert default_source_name("data/raw/hh-rlhf/harmless-base/") == "harmless-base"
+    assert default_source_name("data/raw/ultrafeedback/*.jsonl.gz") == "ultrafeedback"
+    assert default_source_name("prefs v2.json") == "prefs_v2"
+    assert default_source_name("**/*.parquet") == "source"
+
+    specs = [{"path": "a/train.jsonl", "format": "trl"}, {"name": "train_2", "path": "x.jsonl", "format": "trl"},
+             {"path": "b/train.jsonl.gz", "format": "trl"}, {"path": "c/train-*.parquet", "format": "trl"}]
+    assert [s["name"] for s in resolve_sources(specs)] == ["train", "train_2", "train_3", "train_4"]
+    assert "name" not in specs[0]  # the params are not modified
+    with pytest.raises(SourceError, match=r"data.sources\[1\]: name 'x' is also the name of data.sources\[0\]"):
+        resolve_sources([{"name": "x", "path": "a.jsonl", "format": "trl"},
+                         {"name": "x", "path": "b.jsonl", "format": "trl"}])
+
+    # Through the stage: the default name is every pair's `source` and the stats' name.
+    for d in ("a", "b"):
+        (tmp_path / d).mkdir()
+        write_jsonl(tmp_path / d / "prefs.jsonl", [{"prompt": f"Q {d}", "chosen": "yes", "rejected": "no"}])
+    res = normalize_sources([{"path": "a/prefs.jsonl", "format": "trl"}, {"path": "b/prefs.jsonl", "format": "trl"}],
+                            base_dir=tmp_path)
+    assert [s["name"] for s in res.stats["sources"]] == ["prefs", "prefs_2"]
+    assert sorted((p["source"], p["src_file"]) for p in res.pairs) == [("prefs", "a/prefs.jsonl"),
+                                                                       ("prefs_2", "b/prefs.jsonl")]
+
+
+@pytest.mark.parametrize("pattern, match", [
+    ("data/train-*.parquet", r"data/train-\*.parquet: the glob matches no .jsonl"),
+    ("data/*.md", r"data/\*.md: the glob matches no .jsonl.*; it matches 1 file\(s\) of other types, e.g. data/README.md"),
+    ("empty", r"empty: the directory holds no .jsonl"),
+    ("meta", r"meta: the directory holds no .jsonl.*hidden entries skipped"),
+])
+def test_a_glob_or_directory_naming_no_data_file_is_an_error(tmp_path, monkeypatch, pattern, match):
+    proj = make_project(tmp_path)
+    (proj / "data" / "README.md").write_text("# card")
+    (proj / "empty").mkdir()
+    (proj / "meta" / ".cache").mkdir(parents=True)
+    write_jsonl(proj / "meta" / ".cache" / "x.jsonl", [{"prompt": "Q", "chosen": "a", "rejected": "b"}])
+    with pytest.raises(SourceError, match=match):
+        source_paths(pattern, proj)
+    params = yaml.safe_load((proj / "params.yaml").read_text())
+    params["data"]["sources"].append({"path": pattern, "format": "trl"})
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(proj)
+    with pytest.raises(SystemExit, match=match):
+        main(cli_args("out"))
+    assert not (proj / "out" / "pairs.parquet").exists()
+
+
+def test_cli_reads_a_nameless_glob_source(tmp_path, monkeypatch):
+    """params.yaml without `name` passes the schema; the shards' provenance reaches pairs.parquet."""
+    proj = make_project(tmp_path)
+    rows, bounds = _shard_rows(), [0, 10, 20]
+    _write_shards(proj / "raw", rows, bounds)
+    params = yaml.safe_load((proj / "params.yaml").read_text())
+    params["data"]["sources"] = [{"path": "raw/data/train-*.parquet", "format": "auto"}]
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(proj)
+    assert main(cli_args("out")) == 0
+    pairs = pq.read_table(proj / "out" / "pairs.parquet").to_pylist()
+    assert {p["source"] for p in pairs} == {"train"}
+    assert {p["src_file"] for p in pairs} == {f"raw/data/train-{k:05d}-of-00002.parquet" for k in range(2)}
+    stats = json.loads((proj / "out" / "normalize_stats.json").read_text())
+    assert stats["sources"][0]["path"] == "raw/data/train-*.parquet"
+    assert [f["path"] for f in stats["sources"][0]["files"]] == [
+        f"raw/data/train-{k:05d}-of-00002.parquet" for k in range(2)]
+
+
+def test_snakemake_and_dvc_list_every_shard_as_a_dependency(tmp_path):
+    """The rule's inputs (and so dvc.yaml's deps) are source_paths' files, whatever the path's form."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO_ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):  # the files a fresh clone has
+        if (REPO_ROOT / rel).is_file():
+            (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO_ROOT / rel, tmp_path / rel)
+    rows = _shard_rows()
+    _write_shards(tmp_path / "raw", rows, [0, 5, 10, 20])
+    write_jsonl(tmp_path / "extra.jsonl.gz", rows[:2], gz=True)
+    params = yaml.safe_load((tmp_path / "params.yaml").read_text())
+    params["data"]["sources"] = [{"path": "raw/data/train-*.parquet", "format": "trl"},
+                                 {"path": "extra.jsonl.gz", "format": "trl"}]
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    r = subprocess.run([sys.executable, "workflow/sync_dvc.py"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    deps = yaml.safe_load((tmp_path / "dvc.yaml").read_text())["stages"]["normalize"]["deps"]
+    data_deps = [d for d in deps if not d.startswith(("stages/", "results/"))]
+    assert data_deps == [f"raw/data/train-{k:05d}-of-00003.parquet" for k in range(3)] + ["extra.jsonl.gz"]
+    assert data_deps == [f for s in params["data"]["sources"] for f in source_paths(s["path"], tmp_path)]

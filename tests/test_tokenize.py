@@ -16,11 +16,12 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from conftest import REPO_ROOT
 from stages.lib.io import read_json, read_parquet, sha256_json, write_json, write_parquet
-from stages.tokenize import (BranchRejected, PairTokenizer, TokenizeError, TokenizeLimits,
+from stages.tokenize import (TRUNCATION_REASONS, BranchRejected, PairTokenizer, TokenizeError, TokenizeLimits,
                              check_pairs, check_probe_complete, check_probe_matches_manifest,
                              completion_start, content_hash, load_tokenizer, render_plain, run,
-                             token_hash, tokenize_pairs, tokenizer_identity, write_outputs)
+                             split_report, token_hash, tokenize_pairs, tokenizer_identity, write_outputs)
 
 LOG = logging.getLogger("test_tokenize")
 UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
@@ -325,6 +326,165 @@ def test_truncate_completion_policy(gpt2, hh_pairs):
             assert row[f"{side}_prompt_len"] == ref[f"{side}_prompt_len"] < len(ids) <= limits.max_length
         if reasons[row["pair_id"]] == "sequence_too_long":
             assert row != ref and row["token_hash"] != ref["token_hash"]
+    assert [t["pair_id"] for t in result.truncations] == [
+        p["pair_id"] for p in hh_pairs if reasons[p["pair_id"]] == "sequence_too_long"]
+    assert {t["reason"] for t in result.truncations} == {"completion_cut"}
+    assert split_report(result)["truncated_by_reason"] == {"completion_cut": result.truncated,
+                                                           "prompt_turns_dropped": 0, "prompt_text_cut": 0}
+
+
+# keep_end -------------------------------------------------------------------------------------
+
+EMBEDDED_REF = REPO_ROOT / "models" / "tiny-qwen2"
+
+
+def S(c):
+    return {"role": "system", "content": c}
+
+
+def U(c):
+    return {"role": "user", "content": c}
+
+
+def A(c):
+    return {"role": "assistant", "content": c}
+
+
+@pytest.fixture
+def embedded():
+    """The default reference's tokenizer (751 tokens, a ChatML template), always in the checkout."""
+    return _load_tokenizer_once(EMBEDDED_REF)
+
+
+def expected_branch(tok, prompt: list[dict], completion: list[dict]) -> tuple[list[int], str]:
+    """(ids, prompt text) of one branch, spelled with the HF tokenizer itself (module docstring's rendering)."""
+    if tok.chat_template:
+        prompt_text = tok.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+        full_text = tok.apply_chat_template(prompt + completion, tokenize=False)
+        return tok(full_text, add_special_tokens=False)["input_ids"], prompt_text
+    prompt_text, full_text = render_plain(prompt, completion)
+    return tok(full_text + tok.eos_token)["input_ids"], prompt_text
+
+
+def kept_prompt(pair: dict, record: dict) -> list[dict]:
+    """The prompt keep_end kept, rebuilt from its truncation record."""
+    prompt = pair["prompt"]
+    head = 1 if prompt[0]["role"] == "system" else 0
+    kept = prompt[:head] + prompt[head + record["prompt_messages_dropped"]:]
+    first = kept[head]
+    return kept[:head] + [{**first, "content": first["content"][record["prompt_chars_dropped"]:]}] + kept[head + 1:]
+
+
+def fits(pair_tok: PairTokenizer, prompt: list[dict], pair: dict, limits: TokenizeLimits) -> bool:
+    [row] = tokenize_pairs(pair_tok, [dict(pair, prompt=prompt)], UNLIMITED, "train").rows
+    return _expected_reason(row, limits) is None
+
+
+def test_limits_accept_keep_end():
+    limits = TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 32, "truncation": "keep_end"})
+    assert limits.as_dict() == {"max_length": 64, "max_prompt_length": 32, "truncation": "keep_end"}
+
+
+@pytest.mark.parametrize("tokenizer, limits", [
+    ("gpt2", TokenizeLimits(max_length=256, max_prompt_length=128, truncation="keep_end")),
+    ("embedded", TokenizeLimits(max_length=1024, max_prompt_length=256, truncation="keep_end")),
+])
+def test_keep_end_on_real_hh_rows_longer_than_the_limits(request, hh_pairs, tokenizer, limits):
+    """Every pair over a limit is cut from the left (oldest turns first), keeps its whole completions and
+    is exactly the tokenization of the kept conversation; what cannot fit is a reason-coded rejection."""
+    tok = request.getfixturevalue(tokenizer)
+    pair_tok = PairTokenizer(tok)
+    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
+    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    over = {pid for pid, r in full.items() if _expected_reason(r, limits)}
+    records = {t["pair_id"]: t for t in result.truncations}
+    rejected = {r["pair_id"]: r for r in result.rejections}
+    assert set(records) | set(rejected) == over and not set(records) & set(rejected)
+    assert len(records) > 100
+    assert {t["reason"] for t in records.values()} == {"prompt_turns_dropped", "prompt_text_cut"}
+    assert {r["reason"] for r in rejected.values()} == {"sequence_too_long"}
+    assert [r["pair_id"] for r in result.rows] == [p["pair_id"] for p in hh_pairs if p["pair_id"] not in rejected]
+    pairs = {p["pair_id"]: p for p in hh_pairs}
+    for row in result.rows:
+        ref = full[row["pair_id"]]
+        if row["pair_id"] not in records:
+            assert row == ref  # pairs within the limits are untouched
+            continue
+        record, pair = records[row["pair_id"]], pairs[row["pair_id"]]
+        kept = kept_prompt(pair, record)
+        for side in ("chosen", "rejected"):
+            ids, n = row[f"{side}_ids"], row[f"{side}_prompt_len"]
+            want_ids, prompt_text = expected_branch(tok, kept, pair[side])
+            assert ids == want_ids and decode(tok, ids[:n]) == prompt_text
+            assert ids[n:] == ref[f"{side}_ids"][ref[f"{side}_prompt_len"]:]  # the whole completion
+            assert n <= limits.max_prompt_length and len(ids) <= limits.max_length
+            assert record[f"{side}_tokens"] == len(ids) and record[f"{side}_tokens_before"] == len(ref[f"{side}_ids"])
+        assert record["prompt_tokens"] == row["chosen_prompt_len"] < record["prompt_tokens_before"]
+        assert row["token_hash"] == token_hash(row["chosen_ids"], row["chosen_prompt_len"], row["rejected_ids"],
+                                               row["rejected_prompt_len"]) != ref["token_hash"]
+        dropped = record["prompt_messages_dropped"]
+        if record["reason"] == "prompt_turns_dropped":
+            # The newest turns, from a user turn on, whole; starting at the user turn before would not fit.
+            assert record["prompt_chars_dropped"] == 0 and dropped > 0
+            assert kept == pair["prompt"][dropped:] and kept[0]["role"] == "user"
+            before = max(j for j in range(dropped) if pair["prompt"][j]["role"] == "user")
+            assert not fits(pair_tok, pair["prompt"][before:], pair, limits)
+        else:
+            # Even the last user turn alone does not fit: its text is cut from the left, at a word start.
+            text, cut = pair["prompt"][-1]["content"], record["prompt_chars_dropped"]
+            assert dropped == len(pair["prompt"]) - 1 and kept == [U(text[cut:])]
+            assert not fits(pair_tok, pair["prompt"][-1:], pair, limits)
+            assert 0 < cut < len(text) and not text[cut].isspace()
+            if not text[cut - 1].isspace():  # mid-word only when no later word start fits
+                word = re.search(r"\s\S", text[cut:])
+                assert word is None or not fits(pair_tok, [U(text[cut + word.start() + 1:])], pair, limits)
+    for pid, rejection in rejected.items():
+        ref = full[pid]
+        completion = max(len(ref["chosen_ids"]) - ref["chosen_prompt_len"],
+                         len(ref["rejected_ids"]) - ref["rejected_prompt_len"])
+        assert completion > limits.max_length - 16, rejection  # the completion alone (nearly) fills max_length
+        assert "keep_end cannot fit the pair" in rejection["detail"]
+        assert rejection["chosen_tokens"] == len(ref["chosen_ids"])
+    counts = split_report(result)["truncated_by_reason"]
+    assert counts == {reason: sum(t["reason"] == reason for t in records.values()) for reason in TRUNCATION_REASONS}
+    assert result.truncated == len(records) and counts["completion_cut"] == 0
+
+
+def test_keep_end_keeps_the_system_message_and_cuts_at_turns_then_words(embedded):
+    pair_tok = PairTokenizer(embedded)
+    old = " ".join(f"old{i}" for i in range(150))
+    pair = as_pair({"prompt": [S("Answer briefly."), U(old), A(old), U("And the sky?")],
+                    "chosen": [A("Blue.")], "rejected": [A("Green, I think.")]}, 0)
+    limits = TokenizeLimits(max_length=96, max_prompt_length=64, truncation="keep_end")
+    result = tokenize_pairs(pair_tok, [pair], limits, "probe")
+    [record] = result.truncations
+    assert (record["reason"], record["prompt_messages_dropped"], record["exceeded"]) == (
+        "prompt_turns_dropped", 2, ["max_prompt_length", "max_length"])
+    [row] = result.rows
+    n = row["chosen_prompt_len"]
+    assert decode(embedded, row["chosen_ids"][:n]) == embedded.apply_chat_template(
+        [S("Answer briefly."), U("And the sky?")], add_generation_prompt=True, tokenize=False)
+
+    # One long user turn: its text is cut from the left at the latest word start that fits.
+    words = [f"w{i}" for i in range(300)]
+    pair = as_pair({"prompt": [S("Answer briefly."), U(" ".join(words))], "chosen": [A("Blue.")],
+                    "rejected": [A("Green.")]}, 1)
+    [record] = tokenize_pairs(pair_tok, [pair], limits, "probe").truncations
+    assert record["reason"] == "prompt_text_cut" and record["prompt_messages_dropped"] == 0
+    kept = kept_prompt(pair, record)
+    k = words.index(kept[1]["content"].split(" ")[0])
+    assert kept == [S("Answer briefly."), U(" ".join(words[k:]))]
+    assert fits(pair_tok, kept, pair, limits)
+    assert not fits(pair_tok, [S("Answer briefly."), U(" ".join(words[k - 1:]))], pair, limits)
+
+    # Nothing can fit: a completion alone over max_length; a system message (kept) over max_prompt_length.
+    long_answer = as_pair({"prompt": [U("Q?")], "chosen": [A(" ".join(words))], "rejected": [A("No.")]}, 2)
+    long_system = as_pair({"prompt": [S(" ".join(words)), U("Q?")], "chosen": [A("Yes.")], "rejected": [A("No.")]}, 3)
+    result = tokenize_pairs(pair_tok, [long_answer, long_system], limits, "probe")
+    assert result.rows == [] and result.truncations == []
+    assert [r["reason"] for r in result.rejections] == ["sequence_too_long", "prompt_too_long"]
+    with pytest.raises(TokenizeError, match="2 of 2 probe pairs cannot be tokenized .*truncation=keep_end"):
+        check_probe_complete(result, limits)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,6 +573,60 @@ def test_stage_outputs_are_deterministic_and_bind_the_probe(gpt2_tokenizer_dir, 
     assert report["totals"]["rejected_by_reason"] == {
         reason: sum(r["reason"] == reason for r in rejections) for reason in {r["reason"] for r in rejections}}
     assert all(len(r["chosen_ids"]) <= 256 and r["chosen_prompt_len"] <= 200 for r in train_tokens)
+
+
+def test_keep_end_probe_pairs_are_recorded_and_evaluate_checks_the_record(gpt2_tokenizer_dir, gpt2, hh_pairs,
+                                                                          tmp_path):
+    from stages.evaluate import ProbeMismatchError, check_manifests
+
+    limits = TokenizeLimits(max_length=256, max_prompt_length=128, truncation="keep_end")
+    pairs = hh_pairs[:400]
+    first = tokenize_pairs(PairTokenizer(gpt2), pairs, limits, "probe")
+    truncated = {t["pair_id"] for t in first.truncations}
+    kept = [r["pair_id"] for r in first.rows]
+    probe_ids = set([pid for pid in kept if pid in truncated][:20] + [pid for pid in kept if pid not in truncated][:20])
+    probe = sorted((p for p in pairs if p["pair_id"] in probe_ids), key=lambda p: sha256_json(["probe", p["pair_id"]]))
+    train = [p for p in pairs if p["pair_id"] not in probe_ids]
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    a = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "a")
+    b = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "b")
+    for key in a:
+        assert Path(a[key]).read_bytes() == Path(b[key]).read_bytes(), key
+
+    manifest = read_json(a["probe_token_manifest"])
+    assert manifest["limits"] == limits.as_dict()
+    assert [t["pair_id"] for t in manifest["truncated"]] == [p["pair_id"] for p in probe if p["pair_id"] in truncated]
+    rows = read_parquet(a["probe_tokens"]).to_pylist()
+    for t in manifest["truncated"]:
+        assert manifest["pair_ids"][t["index"]] == t["pair_id"] == rows[t["index"]]["pair_id"]
+        assert t["token_hash"] == manifest["token_hashes"][t["index"]] == rows[t["index"]]["token_hash"]
+        assert t["reason"] in ("prompt_turns_dropped", "prompt_text_cut")
+        assert len(rows[t["index"]]["chosen_ids"]) == t["chosen_tokens"] <= 256
+    report = read_json(a["report_path"])
+    for split in ("probe", "train"):
+        counts = report["splits"][split]["truncated_by_reason"]
+        assert set(counts) == set(TRUNCATION_REASONS) and counts["completion_cut"] == 0
+        assert sum(counts.values()) == report["splits"][split]["truncated"]
+    assert report["splits"]["probe"]["truncated"] == 20 and report["splits"]["probe"]["rejected"] == 0
+    assert report["totals"]["truncated_by_reason"] == {
+        k: report["splits"]["probe"]["truncated_by_reason"][k] + report["splits"]["train"]["truncated_by_reason"][k]
+        for k in TRUNCATION_REASONS}
+
+    # evaluate accepts the record as written and refuses one that does not describe the scored tokens.
+    frozen = read_json(inputs["manifest_path"])
+    check_manifests(frozen, manifest, len(probe))
+    t0 = manifest["truncated"][0]
+    bad = {
+        "not of the tokens that are scored": [dict(t0, token_hash="0" * 64)] + manifest["truncated"][1:],
+        "which is not that probe position": [dict(t0, index=t0["index"] + 1)] + manifest["truncated"][1:],
+        "out of probe order or repeated": manifest["truncated"][::-1],
+        "has no reason": [dict(t0, reason="")] + manifest["truncated"][1:],
+    }
+    for match, truncated_list in bad.items():
+        with pytest.raises(ProbeMismatchError, match=match):
+            check_manifests(frozen, dict(manifest, truncated=truncated_list), len(probe))
+    with pytest.raises(ProbeMismatchError, match="recorded under truncation: reject"):
+        check_manifests(frozen, dict(manifest, limits=dict(manifest["limits"], truncation="reject")), len(probe))
 
 
 def test_tokenizer_identity_tracks_tokenizer_files(gpt2_tokenizer_dir, tmp_path):

@@ -1,9 +1,19 @@
 # Data stages: raw sources -> canonical pairs -> frozen probe + train split.
 
+import sys
+from pathlib import Path
+
+# The stage module owns the expansion of a source's glob / directory into its files: these inputs
+# (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads.
+_REPO = str(Path(workflow.main_snakefile).resolve().parent)
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+from stages.normalize import source_paths
+
 
 rule normalize:
     input:
-        sources=[s["path"] for s in config["data"]["sources"]],
+        sources=[f for s in config["data"]["sources"] for f in source_paths(s["path"])],
         code=[py("normalize"), *LIB],
     output:
         pairs=f"{RESULTS}/normalize/pairs.parquet",
