@@ -27,6 +27,7 @@ with open("params.yaml") as _f:
 
 
 include: "workflow/rules/common.smk"
+include: "workflow/rules/environment.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"

@@ -150,27 +150,31 @@ def bench_params(base: dict, overrides: dict) -> dict:
 
 def run_stage(stage: str, params_file: Path, model_dir: Path, work: Path, extra: list[str], logs: Path,
               env: dict | None = None) -> dict:
-    """One stage CLI under torchrun, as the Snakemake rules launch it -> {"wall_s"} or, for a training stage
-    (extra has --out-dir), its run_info.json with "wall_s" added. Logs go to logs/ours_<stage>.{log,out}."""
+    """One stage CLI under torchrun, as the Snakemake rules launch it -> its perf record (timings, throughput,
+    memory: logs/ours_<stage>.perf.json) with "wall_s" added, and for a training stage (extra has --out-dir)
+    its run_info.json too. Logs go to logs/ours_<stage>.{log,out}."""
     common = ["--params", str(params_file), "--model-dir", str(model_dir),
               "--train-tokens", str(work / "train_tokens.parquet"), "--probe-tokens", str(work / "probe_tokens.parquet")]
     run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "-m"]
-    wall = sh(run + [f"stages.{stage}", "--", *common, *extra, "--log", str(logs / f"ours_{stage}.log")],
+    perf = logs / f"ours_{stage}.perf.json"
+    wall = sh(run + [f"stages.{stage}", "--", *common, *extra, "--log", str(logs / f"ours_{stage}.log"), "--perf", str(perf)],
               env={"PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}", **(env or {})}, cwd=REPO,
               log=logs / f"ours_{stage}.out")
+    res = {**json.loads(perf.read_text()), "wall_s": round(wall, 2)}
     if "--out-dir" not in extra:
-        return {"wall_s": round(wall, 2)}
+        return res
     out_dir = Path(extra[extra.index("--out-dir") + 1])
-    return {**json.loads((out_dir / "run_info.json").read_text()), "wall_s": round(wall, 2)}
+    info = json.loads((out_dir / "run_info.json").read_text())
+    # run_info's cuda_graphs holds the facts (shapes, optimizer), perf's the capture and first-step seconds.
+    return {**info, **res, "cuda_graphs": {**info.get("cuda_graphs", {}), **res.get("cuda_graphs", {})}}
 
 
 def run_ours(work: Path, model_dir: Path, params: dict, out: Path) -> dict:
     params_file = work / "params.yaml"
     params_file.write_text(yaml.safe_dump(params))
     res = {"ref_logps": run_stage("ref_logps", params_file, model_dir, work, ["--out", str(work / "ref_logps.parquet")], out)}
-    # The stage logs each pass's compute time ("train: ... pass 1.234 s, ..."): read the train split's.
-    line = next(l for l in (out / "ours_ref_logps.log").read_text().splitlines() if " train: " in l and " pass " in l)
-    res["ref_logps"]["train_seconds"] = float(line.split(" pass ")[1].split(" s,")[0])
+    # The stage's perf record has each pass's compute time: the train split's is the reference pass.
+    res["ref_logps"]["train_seconds"] = res["ref_logps"]["train"]["pass_seconds"]
     for stage, extra in (("train_dpo", ["--ref-logps", str(work / "ref_logps.parquet")]), ("train_rm", [])):
         res[stage] = run_stage(stage, params_file, model_dir, work, [*extra, "--out-dir", str(work / stage)], out)
         shutil.copy(work / stage / "train_log.csv", out / f"ours_{stage}_train_log.csv")

@@ -87,7 +87,8 @@ def main(argv=None) -> None:
                                             "PREFPIPE_PROFILE_STEPS": str(args.profile_steps)})
             run = {"stage": stage, "variant": variant,
                    "profile": json.loads((prof_dir / "summary.json").read_text()),
-                   **{k: info[k] for k in ("train_seconds", "tokens_per_s", "cuda_graphs", "fused_kernels")}}
+                   **{k: info[k] for k in ("train_seconds", "tokens_per_s", "cuda_graphs", "fused_kernels",
+                                           "kernel_warmup_seconds")}}
             for name in ("first_step", "steady"):
                 shutil.copy(prof_dir / f"{name}.txt", out.parent / f"step_profile_{stage}_{variant}_{name}.txt")
             print(json.dumps(run), flush=True)

@@ -1,8 +1,9 @@
 """ref_logps: the frozen reference's summed completion log-probs for every train and probe pair, once.
 
-    torchrun --nproc-per-node N -m stages.ref_logps --params params.yaml --identity results/ref/ref_identity.json \\
+    torchrun --nproc-per-node N -m stages.ref_logps -- --params params.yaml --identity results/ref/ref_identity.json \\
         --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
-        --out results/ref_logps/ref_logps.parquet --log logs/ref_logps.log
+        --out results/ref_logps/ref_logps.parquet --environment results/env/environment.json \\
+        --log logs/ref_logps.log --perf logs/ref_logps.perf.json
 
 Columns: pair_id, split (train|probe), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
 token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens).
@@ -16,12 +17,13 @@ import logging
 import time
 from pathlib import Path
 
-from stages.lib.io import write_parquet
+from stages.lib.io import MEASUREMENT, write_json, write_parquet
 from stages.lib.modeling import SequenceLogProbs, load_causal_lm
 from stages.lib.objectives import ref_logps_table
 from stages.lib.params import load_params
 from stages.lib.trainer import (TrainSettings, add_common_args, compute_dtype, disable_dropout, init_distributed,
-                                load_stage_tokens, resolve_model_dir, run_inference, shutdown_distributed, stage_logging)
+                                load_stage_tokens, resolve_model_dir, run_inference, shutdown_distributed, stage_environment,
+                                stage_logging)
 
 log = logging.getLogger("ref_logps")
 
@@ -37,6 +39,7 @@ def main(argv: list[str] | None = None) -> None:
     env = init_distributed(settings)
     try:
         stage_logging(args.log, "ref_logps", env)
+        stage_environment(args, settings)
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         reference = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=settings.logp_chunk_tokens,
@@ -47,7 +50,7 @@ def main(argv: list[str] | None = None) -> None:
         if settings.parallel == "fsdp2":      # shard a reference too large to replicate
             from stages.lib.trainer import wrap_model
             reference = wrap_model(reference, reference.lm, settings, env)
-        splits = {}
+        splits, perf = {}, {}
         # The probe split first: like train_dpo's step-0 probe pass before its timed loop, it takes the
         # process's first-use costs (CUDA kernel loading, GEMM heuristics, allocator growth), so the train
         # split's logged pass time is the reference pass itself. The table keeps train, then probe rows.
@@ -58,11 +61,17 @@ def main(argv: list[str] | None = None) -> None:
             splits[split] = (split, pairs, logps)
             if env.is_main:
                 tokens = int(pairs.pair_tokens.sum())
-                log.info("%s: %d pairs, %d completion tokens; pass %.3f s, %d tokens, %.0f tokens/s", split,
-                         len(pairs), pairs.completion_tokens, seconds, tokens, tokens / max(seconds, 1e-9))
+                log.info("%s: %d pairs, %d completion tokens, %d tokens", split, len(pairs),
+                         pairs.completion_tokens, tokens)
+                log.info("%s: pass %.3f s, %.0f tokens/s", split, seconds, tokens / max(seconds, 1e-9),
+                         extra=MEASUREMENT)
+                perf[split] = {"pass_seconds": round(seconds, 3), "tokens": tokens,
+                               "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
         if env.is_main:
             write_parquet(Path(args.out), ref_logps_table([splits["train"], splits["probe"]]))
             log.info("wrote %s", args.out)
+            if args.perf:
+                write_json(args.perf, perf)
     finally:
         shutdown_distributed()
 

@@ -8,25 +8,34 @@
         --bootstrap-summary results/evaluate/bootstrap_summary.json \
         --train-log dpo=results/train_dpo/train_log.csv rm=results/train_rm/train_log.csv \
         --run-info dpo=results/train_dpo/run_info.json rm=results/train_rm/run_info.json \
+        --environment results/env/environment.json \
+        --probe-manifests results/probe/probe_manifest.json results/tokens/probe_token_manifest.json \
         --bundle results/report/evidence.tar.gz --summary results/report/summary.md \
         --curves-dir results/report/curves --log logs/report.log
+
+    python -m stages.report verify results/report/evidence.tar.gz [--workspace DIR] [--require-same-environment]
 
 Bundle layout (every member under `evidence/`):
   manifest.json        every artifact's hash (DVC's md5, equal to dvc.lock's, and sha256 for files),
                        plus the sha256 of every other member of the bundle
-  environment.json     python/package versions of this process, GPU/driver when nvidia-smi answers,
-                       and the training environment taken from each run_info.json (whitelisted keys)
+  environment.json     the environment record (results/env/environment.json: versions, CPU dispatch, GPU
+                       for GPU runs) and each training run's layout and record (from run_info.json)
   params.yaml          the params file, byte for byte
   summary.md           the metrics table and the curves
   curves/<label>_train_curves.png
-  artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary and the train logs, under their
-                       repo-relative paths
+  artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary, the train logs, the environment
+                       record and the two probe manifests, under their repo-relative paths
 `--artifacts` are hashed only (weights, optimizer state and data never enter the bundle).
 
 Deterministic: members sorted, mtime 0, uid/gid 0, empty owner names, mode 0644, gzip mtime 0 and no
 file name in the gzip header, PNGs rendered by Agg with no metadata. Before anything is written,
 every member is scanned for this machine's hostname, the absolute working directory, $HOME and common
 credential patterns; a hit refuses the bundle (naming the member and what leaked).
+`verify` is for a reviewer holding someone else's bundle: it re-hashes every member and packed artifact
+against the manifest, the hashed-only artifacts (models, data) against --workspace when it holds them and
+against its dvc.lock, reruns evaluate's checks, metrics and paired bootstrap on the packed per-pair rows,
+and compares the environment record with this machine's. It prints MATCH / DIFFERS / SKIPPED per check
+(ENV-DIFF for the environment) and exits 1 on any DIFFERS (and on ENV-DIFF with --require-same-environment).
 """
 from __future__ import annotations
 
@@ -37,14 +46,11 @@ import gzip
 import hashlib
 import io
 import json
+import math
 import os
-import platform
 import re
-import shutil
 import socket
-import subprocess
 import tarfile
-from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -54,17 +60,10 @@ from stages.lib.params import load_params
 BUNDLE_ROOT = "evidence"
 FIXED_MTIME = 0
 PACKABLE_SUFFIXES = {".json", ".jsonl", ".csv"}
-CURVE_COLUMNS = ["loss", "accuracy", "margin", "lr", "grad_norm", "tokens_per_s"]
-ENV_PACKAGES = ["numpy", "scipy", "torch", "transformers", "tokenizers", "pandas", "pyarrow", "matplotlib",
-                "dvc", "snakemake"]
-# Keys copied from a trainer's run_info.json (top level or under one of ENV_SECTIONS). A whitelist,
-# because run_info may also hold per-rank plans, timings or paths that do not belong in the bundle.
-RUN_INFO_ENV_KEYS = {"python", "python_version", "torch", "torch_version", "transformers",
-                     "transformers_version", "numpy", "numpy_version", "cuda", "cuda_version", "cudnn",
-                     "cudnn_version", "nccl", "nccl_version", "gpu", "gpu_name", "gpu_names", "gpu_count",
-                     "device_name", "driver", "driver_version", "world_size", "backend", "device", "dtype",
-                     "parallel", "attention"}
-ENV_SECTIONS = ("environment", "env", "versions", "hardware", "device_info")
+CURVE_COLUMNS = ["loss", "accuracy", "margin", "lr", "grad_norm"]
+# Keys copied from a trainer's run_info.json (top level). A whitelist, because run_info also holds
+# per-rank plans and settings that belong to the run, not to the environment.
+RUN_INFO_ENV_KEYS = {"world_size", "backend", "device", "parallel", "attention"}
 
 
 class ReportError(ValueError):
@@ -145,50 +144,20 @@ def parse_labeled(values: list[str], flag: str) -> dict[str, str]:
 # Environment
 # --------------------------------------------------------------------------------------------------
 
-def _package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def gpu_of_this_process() -> list[dict] | None:
-    """GPU names and driver from nvidia-smi when there is one (torch is not imported for this)."""
-    exe = shutil.which("nvidia-smi")
-    if exe is None:
-        return None
-    try:
-        out = subprocess.run([exe, "--query-gpu=name,driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    gpus = []
-    for line in out.strip().splitlines():
-        name, _, driver = line.rpartition(",")
-        gpus.append({"name": name.strip(), "driver": driver.strip()})
-    return gpus or None
-
-
 def environment_from_run_info(run_info: dict) -> dict[str, Any]:
-    found: dict[str, Any] = {}
-    sources = [run_info] + [run_info[s] for s in ENV_SECTIONS if isinstance(run_info.get(s), dict)]
-    for src in sources:
-        for key in sorted(RUN_INFO_ENV_KEYS & set(src)):
-            v = src[key]
-            if isinstance(v, (str, int, float, bool)) or v is None or (
-                    isinstance(v, list) and all(isinstance(x, (str, int, float, bool)) for x in v)):
-                found[key] = v
+    """The run's layout (whitelisted keys) and the environment record it trained under."""
+    found: dict[str, Any] = {key: run_info[key] for key in sorted(RUN_INFO_ENV_KEYS & set(run_info))}
+    if isinstance(run_info.get("environment"), dict):
+        found["record"] = run_info["environment"]
     return found
 
 
-def build_environment(run_infos: dict[str, dict]) -> dict[str, Any]:
+def build_environment(record: dict | None, run_infos: dict[str, dict]) -> dict[str, Any]:
+    """The bundle's environment.json: the pipeline's environment record (the environment stage's
+    output, an input of every stage) and each training run's. Only facts that decide the numbers: no
+    hostnames, drivers or timings, so the same run on another machine of the same kind packs the same bytes."""
     return {
-        "report_process": {
-            "python": platform.python_version(),
-            "implementation": platform.python_implementation(),
-            "packages": {name: _package_version(name) for name in ENV_PACKAGES},
-            "gpus": gpu_of_this_process(),
-        },
+        "record": record,
         "training": {label: environment_from_run_info(info) for label, info in sorted(run_infos.items())},
     }
 
@@ -335,18 +304,22 @@ def deterministic_targz(members: dict[str, bytes]) -> bytes:
 
 def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per_pair: list[str],
                  bootstrap_summary: str | None, train_logs: dict[str, str], run_infos: dict[str, str],
-                 cwd: str | os.PathLike | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
+                 cwd: str | os.PathLike | None = None, environment: str | None = None,
+                 probe_manifests: list[str] | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
     """-> (bundle members by name, summary markdown, curve PNGs by file name)."""
-    params = load_params(params_path)
+    params = load_params(params_path if cwd is None else Path(cwd) / params_path)
     packed: dict[str, str] = {}  # relpath -> role
     for role, paths in (("metrics", metrics), ("per_pair", per_pair),
                         ("bootstrap_summary", [bootstrap_summary] if bootstrap_summary else []),
-                        ("train_log", list(train_logs.values()))):
+                        ("train_log", list(train_logs.values())),
+                        ("environment", [environment] if environment else []),
+                        # The probe's two manifests let `verify` rerun evaluate's checks on the per-pair rows.
+                        ("probe_manifest", list(probe_manifests or []))):
         for p in paths:
             rel = relative_artifact_path(p)
             if Path(rel).suffix not in PACKABLE_SUFFIXES:
                 raise ReportError(f"{p}: only {sorted(PACKABLE_SUFFIXES)} files are packed into the bundle")
-            if not Path(p).is_file():
+            if not _path(p, cwd).is_file():
                 raise ReportError(f"{p}: {role} file does not exist")
             packed[rel] = role
     hashed_only = {relative_artifact_path(p): "artifact" for p in artifacts}
@@ -368,7 +341,8 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
             run_info_data[label] = json.loads(_read(p, cwd))
         except json.JSONDecodeError as e:
             raise ReportError(f"{p}: run_info is not JSON: {e}") from None
-    members[f"{BUNDLE_ROOT}/environment.json"] = _json_bytes(build_environment(run_info_data))
+    record = json.loads(_read(environment, cwd)) if environment else None
+    members[f"{BUNDLE_ROOT}/environment.json"] = _json_bytes(build_environment(record, run_info_data))
 
     curves: dict[str, bytes] = {}
     for label, p in sorted(train_logs.items()):
@@ -383,6 +357,7 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
 
     manifest = {
         "format": "prefpipe-evidence/1",
+        "evaluation": evaluation_map(sorted(packed)),
         "hashes": "md5 as in dvc.lock (directories: md5 of DVC's .dir listing + '.dir'); sha256 for files",
         "artifacts": entries,
         "params_sha256": hashlib.sha256(members[f"{BUNDLE_ROOT}/params.yaml"]).hexdigest(),
@@ -395,6 +370,28 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
     for name, data in sorted(members.items()):
         scan_member(name, data, needles)
     return members, summary, curves
+
+
+PER_PAIR_NAME = re.compile(r"(?:^|/)train_(dpo|rm)/probe_(step0|final)\.jsonl$")
+METRICS_NAME = re.compile(r"(?:^|/)(dpo|rm)\.json$")
+
+
+def evaluation_map(packed_paths: list[str]) -> dict[str, dict[str, str]]:
+    """Which packed files `verify` recomputes each model's metrics from: {kind: {step0, final, metrics}}."""
+    out: dict[str, dict[str, str]] = {}
+    for rel in packed_paths:
+        if m := PER_PAIR_NAME.search(rel):
+            out.setdefault(m.group(1), {})[m.group(2)] = rel
+        elif rel.startswith("metrics/") and (m := METRICS_NAME.search(rel)):
+            out.setdefault(m.group(1), {})["metrics"] = rel
+    for rel in packed_paths:
+        if rel.endswith("/probe_manifest.json"):
+            out.setdefault("probe", {})["probe_manifest"] = rel
+        elif rel.endswith("/probe_token_manifest.json"):
+            out.setdefault("probe", {})["probe_token_manifest"] = rel
+        elif rel.endswith("/bootstrap_summary.json"):
+            out.setdefault("probe", {})["bootstrap_summary"] = rel
+    return out
 
 
 def _path(p: str, cwd) -> Path:
@@ -410,10 +407,230 @@ def _json_bytes(obj: Any) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------------
+# Verify: a stranger checks someone else's bundle
+# --------------------------------------------------------------------------------------------------
+
+FLOAT_REL_TOL = 1e-9     # recomputed float64 metrics: same numpy reduction order, only last-bit slack
+MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
+
+
+class Verdicts:
+    """Each check's outcome, printed as `MATCH|DIFFERS|SKIPPED  what: detail`."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, ok: bool | None, what: str, detail: str = "") -> None:
+        self.rows.append(("SKIPPED" if ok is None else "MATCH" if ok else "DIFFERS", what, detail))
+
+    @property
+    def failed(self) -> list[tuple[str, str, str]]:
+        return [r for r in self.rows if r[0] == "DIFFERS"]
+
+    def lines(self) -> list[str]:
+        return [f"{status:<8} {what}" + (f": {detail}" if detail else "") for status, what, detail in self.rows]
+
+
+def read_bundle(path: str | os.PathLike) -> dict[str, bytes]:
+    """Every member of an evidence tar.gz, by name; refuses links, directories and names outside evidence/."""
+    members: dict[str, bytes] = {}
+    try:
+        with tarfile.open(path, mode="r:gz") as tar:
+            for info in tar.getmembers():
+                name = info.name
+                if not info.isreg():
+                    raise ReportError(f"{path}: member {name} is not a regular file")
+                if not name.startswith(MEMBER_PREFIX) or ".." in PurePosixPath(name).parts:
+                    raise ReportError(f"{path}: member {name} is outside {MEMBER_PREFIX}")
+                if name in members:
+                    raise ReportError(f"{path}: member {name} appears twice")
+                members[name] = tar.extractfile(info).read()
+    except (tarfile.TarError, OSError, EOFError) as e:
+        raise ReportError(f"{path}: not a readable evidence bundle: {e}") from None
+    return members
+
+
+def _numbers_agree(a: Any, b: Any, where: str, out: list[str], skip=("distribution_sha256",)) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k in skip:
+                continue
+            if k not in a or k not in b:
+                out.append(f"{where}.{k}: {'missing in the bundle' if k not in a else 'not recomputed'}")
+            else:
+                _numbers_agree(a[k], b[k], f"{where}.{k}", out, skip)
+    elif isinstance(a, float) or isinstance(b, float):
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and \
+            math.isclose(a, b, rel_tol=FLOAT_REL_TOL, abs_tol=1e-12)
+        if not ok:
+            out.append(f"{where}: bundle {a!r}, recomputed {b!r}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _numbers_agree(x, y, f"{where}[{i}]", out, skip)
+    elif a != b:
+        out.append(f"{where}: bundle {a!r}, recomputed {b!r}")
+
+
+def _lock_outs(workspace: Path) -> dict[str, str]:
+    """{path: md5} of every out/metric/plot recorded in the workspace's dvc.lock."""
+    import yaml
+    lock = workspace / "dvc.lock"
+    if not lock.is_file():
+        return {}
+    doc = yaml.safe_load(lock.read_text(encoding="utf-8")) or {}
+    out = {}
+    for stage in (doc.get("stages") or {}).values():
+        for o in stage.get("outs", []) or []:
+            if "md5" in o:
+                out[o["path"]] = o["md5"]
+    return out
+
+
+def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None = None) -> Verdicts:
+    """Recompute what a bundle claims: member hashes, artifact hashes (packed ones from the bundle, the
+    others from `workspace` when it holds them, and against its dvc.lock), the metrics and bootstrap bounds
+    from the per-pair rows, and the environment against this process's."""
+    from stages import evaluate
+    from stages.lib.environment import compare_records, environment_record
+
+    v = Verdicts()
+    members = read_bundle(bundle)
+    manifest_name = f"{BUNDLE_ROOT}/manifest.json"
+    if manifest_name not in members:
+        v.add(False, manifest_name, "missing")
+        return v
+    try:
+        manifest = json.loads(members[manifest_name])
+    except json.JSONDecodeError as e:
+        v.add(False, manifest_name, f"not JSON: {e}")
+        return v
+
+    # 1. members: every one listed, with its sha256; nothing extra
+    listed = manifest.get("members", {})
+    for name in sorted(set(listed) | set(members) - {manifest_name}):
+        if name not in members:
+            v.add(False, name, "listed in the manifest, missing from the bundle")
+        elif name not in listed:
+            v.add(False, name, "in the bundle, not listed in the manifest")
+        else:
+            got = hashlib.sha256(members[name]).hexdigest()
+            v.add(got == listed[name]["sha256"] and len(members[name]) == listed[name]["size"], name,
+                  f"sha256 {got[:16]}…" if got == listed[name]["sha256"] else
+                  f"sha256 {got} != manifest {listed[name]['sha256']}")
+    params_bytes = members.get(f"{BUNDLE_ROOT}/params.yaml", b"")
+    v.add(hashlib.sha256(params_bytes).hexdigest() == manifest.get("params_sha256"), f"{BUNDLE_ROOT}/params.yaml",
+          "params_sha256 of the manifest")
+
+    # 2. artifacts
+    ws = Path(workspace) if workspace is not None else None
+    lock_md5 = _lock_outs(ws) if ws is not None else {}
+    for e in manifest.get("artifacts", []):
+        rel = e["path"]
+        if e.get("packed"):
+            data = members.get(f"{BUNDLE_ROOT}/artifacts/{rel}")
+            if data is None:
+                v.add(False, rel, "packed artifact missing from the bundle")
+                continue
+            md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
+            sha = hashlib.sha256(data).hexdigest()
+            ok = md5 == e.get("md5") and sha == e.get("sha256") and len(data) == e.get("size")
+            v.add(ok, rel, f"md5 {md5}" if ok else f"md5 {md5} / sha256 {sha} != manifest {e.get('md5')} / "
+                  f"{e.get('sha256')}")
+        elif ws is not None and (ws / rel).exists():
+            got = dvc_hash(ws / rel)
+            v.add(got["md5"] == e.get("md5"), rel, f"workspace md5 {got['md5']}" + (
+                "" if got["md5"] == e.get("md5") else f" != manifest {e.get('md5')}"))
+        else:
+            v.add(None, rel, "hashed only, not in the workspace: not checked")
+        if rel in lock_md5:
+            v.add(lock_md5[rel] == e.get("md5"), f"{rel} (dvc.lock)",
+                  f"dvc.lock md5 {lock_md5[rel]}" + ("" if lock_md5[rel] == e.get("md5") else
+                                                     f" != manifest {e.get('md5')}"))
+
+    # 3. metrics and bootstrap bounds, recomputed from the per-pair rows by evaluate's own code
+    import yaml
+    params = yaml.safe_load(params_bytes) if params_bytes else {}
+    ev_map = manifest.get("evaluation", {})
+    probe = ev_map.get("probe", {})
+
+    def packed_json(rel: str | None):
+        return json.loads(members[f"{BUNDLE_ROOT}/artifacts/{rel}"]) if rel and \
+            f"{BUNDLE_ROOT}/artifacts/{rel}" in members else None
+
+    pm, tm = packed_json(probe.get("probe_manifest")), packed_json(probe.get("probe_token_manifest"))
+    boot = packed_json(probe.get("bootstrap_summary"))
+    for kind in ("dpo", "rm"):
+        files = ev_map.get(kind, {})
+        if pm is None or tm is None or not {"step0", "final", "metrics"} <= set(files):
+            v.add(None, f"metrics ({kind})", "the bundle lacks the per-pair files or probe manifests to recompute")
+            continue
+        rows = {}
+        for which in ("step0", "final"):
+            text = members[f"{BUNDLE_ROOT}/artifacts/{files[which]}"].decode("utf-8")
+            rows[which] = [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            metrics, summary = evaluate.evaluate_model(kind, rows["step0"], rows["final"], pm, tm, params,
+                                                       files["step0"], files["final"])
+        except (evaluate.ProbeMismatchError, evaluate.PerPairFileError, KeyError, ValueError) as e:
+            v.add(False, f"metrics ({kind})", f"per-pair rows refused by evaluate: {e}")
+            continue
+        diffs: list[str] = []
+        _numbers_agree(packed_json(files["metrics"]), metrics, files["metrics"], diffs)
+        v.add(not diffs, files["metrics"], "recomputed from " + ", ".join((files["step0"], files["final"]))
+              if not diffs else "; ".join(diffs[:5]))
+        if boot is not None:
+            diffs = []
+            _numbers_agree((boot.get("models") or {}).get(kind), summary, f"bootstrap_summary.models.{kind}", diffs)
+            v.add(not diffs, f"{probe['bootstrap_summary']} ({kind})",
+                  "bootstrap bounds recomputed" if not diffs else "; ".join(diffs[:5]))
+
+    # 4. environment: the bundle's record against this process's (informational unless asked to require it)
+    env_json = members.get(f"{BUNDLE_ROOT}/environment.json")
+    record = (json.loads(env_json) or {}).get("record") if env_json else None
+    if record is None or "train" not in params:
+        v.add(None, "environment", "the bundle carries no environment record")
+    else:
+        here = environment_record(params["train"])
+        diffs = compare_records({k: val for k, val in record.items() if k in here}, here)
+        v.rows.append(("MATCH" if not diffs else "ENV-DIFF", "environment",
+                       "same as this machine's" if not diffs else "; ".join(diffs)))
+    return v
+
+
+def verify_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="python -m stages.report verify",
+                                 description="Check an evidence bundle: member and artifact hashes, metrics and "
+                                 "bootstrap bounds recomputed from the per-pair rows, environment compared.")
+    ap.add_argument("bundle", help="evidence.tar.gz")
+    ap.add_argument("--workspace", default=".", help="a checkout holding the run's artifacts and dvc.lock "
+                    "(default: .); artifacts absent there are reported as not checked")
+    ap.add_argument("--require-same-environment", action="store_true",
+                    help="also fail when the bundle's environment record differs from this machine's")
+    args = ap.parse_args(argv)
+    try:
+        verdicts = verify_bundle(args.bundle, args.workspace)
+    except ReportError as e:
+        print(f"DIFFERS  {e}")
+        return 1
+    for line in verdicts.lines():
+        print(line)
+    env_diff = any(status == "ENV-DIFF" for status, _, _ in verdicts.rows)
+    failed = verdicts.failed
+    print(f"{args.bundle}: {sum(s == 'MATCH' for s, _, _ in verdicts.rows)} match, {len(failed)} differ, "
+          f"{sum(s == 'SKIPPED' for s, _, _ in verdicts.rows)} not checked; environment "
+          + ("differs from this machine's" if env_diff else "matches this machine's"))
+    return 1 if failed or (env_diff and args.require_same_environment) else 0
+
+
+# --------------------------------------------------------------------------------------------------
 # CLI
 # --------------------------------------------------------------------------------------------------
 
 def main(argv: list[str] | None = None) -> int:
+    import sys
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["verify"]:
+        return verify_main(argv[1:])
     try:
         return _run(argv)
     except ReportError as e:
@@ -431,6 +648,10 @@ def _run(argv: list[str] | None) -> int:
     ap.add_argument("--train-log", nargs="*", default=[], metavar="LABEL=CSV", help="train logs, packed and plotted")
     ap.add_argument("--run-info", nargs="*", default=[], metavar="LABEL=JSON",
                     help="trainer run_info.json: hashed; whitelisted environment keys copied")
+    ap.add_argument("--environment", help="the environment stage's environment.json: packed, and the bundle's "
+                    "environment record")
+    ap.add_argument("--probe-manifests", nargs="*", default=[],
+                    help="probe_manifest.json and probe_token_manifest.json: packed, so `verify` can recompute")
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--curves-dir", help="also write the curve PNGs here (the summary links curves/<name>.png)")
@@ -440,7 +661,8 @@ def _run(argv: list[str] | None) -> int:
 
     members, summary, curves = build_bundle(
         args.params, args.artifacts, args.metrics, args.per_pair, args.bootstrap_summary,
-        parse_labeled(args.train_log, "--train-log"), parse_labeled(args.run_info, "--run-info"))
+        parse_labeled(args.train_log, "--train-log"), parse_labeled(args.run_info, "--run-info"),
+        environment=args.environment, probe_manifests=args.probe_manifests)
     with atomic_path(args.bundle) as tmp:
         tmp.write_bytes(deterministic_targz(members))
     write_text(args.summary, summary)

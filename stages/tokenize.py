@@ -68,7 +68,7 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
-from stages.lib.io import (canonical_json, read_json, read_parquet, setup_logging, sha256_file,
+from stages.lib.io import (canonical_json, display_path, read_json, read_parquet, setup_logging, sha256_file,
                            sha256_json, write_json, write_parquet)
 from stages import normalize
 from stages.freeze_probe import probe_digest
@@ -708,7 +708,8 @@ def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path
 
     tok_identity = tokenizer_identity(tokenizer_dir)
     pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
-    log.info("tokenizer %s (identity %s), rendering: %s", tokenizer_dir, tok_identity, pair_tokenizer.rendering)
+    log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
+             pair_tokenizer.rendering)
 
     probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
     check_probe_complete(probe_result, limits)

@@ -1,9 +1,10 @@
 """train_dpo: DPO (frozen reference via precomputed log-probs) or reference-free DPO, packed and data-parallel.
 
-    torchrun --nproc-per-node N -m stages.train_dpo --params params.yaml --identity results/ref/ref_identity.json \\
+    torchrun --nproc-per-node N -m stages.train_dpo -- --params params.yaml --identity results/ref/ref_identity.json \\
         --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
         --ref-logps results/ref_logps/ref_logps.parquet --out-dir results/train_dpo \\
-        --checkpoint-dir checkpoints/train_dpo [--resume auto|never|PATH] --log logs/train_dpo.log
+        --checkpoint-dir checkpoints/train_dpo [--resume auto|never|PATH] \\
+        --environment results/env/environment.json --log logs/train_dpo.log --perf logs/train_dpo.perf.json
 
 The policy starts from the verified reference directory; the reference model itself is never loaded
 (its log-probs come from the ref_logps stage). dpo.objective: dpo_ref_free never reads --ref-logps.
@@ -18,7 +19,7 @@ from stages.lib.objectives import DPOObjective, ref_logps_for
 from stages.lib.params import load_params
 from stages.lib.trainer import (TrainSettings, add_checkpoint_args, add_common_args, checkpoint_options,
                                 init_distributed, load_stage_tokens, resolve_model_dir, shutdown_distributed,
-                                stage_logging, train)
+                                stage_environment, stage_logging, train)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -37,6 +38,7 @@ def main(argv: list[str] | None = None) -> dict:
     env = init_distributed(settings)
     try:
         log = stage_logging(args.log, "train_dpo", env)
+        environment = stage_environment(args, settings)
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         ref = None
@@ -47,7 +49,8 @@ def main(argv: list[str] | None = None) -> dict:
         elif args.ref_logps:
             log.info("dpo_ref_free: --ref-logps %s is not read", args.ref_logps)
         return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
-                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env))
+                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
+                     environment=environment, perf_path=args.perf)
     finally:
         shutdown_distributed()
 

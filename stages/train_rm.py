@@ -1,9 +1,10 @@
 """train_rm: pairwise (Bradley-Terry) reward model = causal-LM body + scalar head, packed and data-parallel.
 
-    torchrun --nproc-per-node N -m stages.train_rm --params params.yaml --identity results/ref/ref_identity.json \\
+    torchrun --nproc-per-node N -m stages.train_rm -- --params params.yaml --identity results/ref/ref_identity.json \\
         --train-tokens results/tokens/train_tokens.parquet --probe-tokens results/tokens/probe_tokens.parquet \\
         --out-dir results/train_rm \\
-        --checkpoint-dir checkpoints/train_rm [--resume auto|never|PATH] --log logs/train_rm.log
+        --checkpoint-dir checkpoints/train_rm [--resume auto|never|PATH] \\
+        --environment results/env/environment.json --log logs/train_rm.log --perf logs/train_rm.perf.json
 
 The body starts from the verified reference directory, the scalar `score` head from the seeded RNG.
 Writes OUT_DIR/{model/ (AutoModelForSequenceClassification, num_labels=1), train_log.csv, run_info.json,
@@ -19,7 +20,7 @@ from stages.lib.objectives import RewardObjective
 from stages.lib.params import load_params
 from stages.lib.trainer import (TrainSettings, add_checkpoint_args, add_common_args, checkpoint_options,
                                 init_distributed, load_stage_tokens, resolve_model_dir, shutdown_distributed,
-                                stage_logging, train)
+                                stage_environment, stage_logging, train)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -34,11 +35,13 @@ def main(argv: list[str] | None = None) -> dict:
     env = init_distributed(settings)
     try:
         stage_logging(args.log, "train_rm", env)
+        environment = stage_environment(args, settings)
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         objective = RewardObjective(params["rm"], train_pairs.margins, source=str(args.train_tokens))
         return train(objective, settings, env, model_dir=model_dir, train_pairs=train_pairs,
-                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env))
+                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
+                     environment=environment, perf_path=args.perf)
     finally:
         shutdown_distributed()
 

@@ -10,6 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from stages.lib.environment import PORTABLE_CPU_ENV
+
+# In-process tests run the engine the way the pipeline's CPU stages do (train.portable_numerics): torch and
+# MKL read these once, at their first use, so they are set before any test module imports torch.
+os.environ.update(PORTABLE_CPU_ENV)
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = Path(os.environ.get("PREFPIPE_SHARED_DATA", REPO_ROOT.parent / "shared" / "data"))
 HH_RLHF = SHARED_DATA / "hh-rlhf" / "harmless-base-test.jsonl.gz"

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 import yaml
 
+from stages.lib.environment import environment_record
 from stages.lib.io import sha256_json, write_json, write_jsonl, write_parquet
 
 
@@ -86,20 +87,18 @@ def rm_rows(token_manifest: dict, seed: int, quality: float, step0: bool) -> lis
     return rows
 
 
-def write_train_dir(out: Path, seed: int, steps: int = 12) -> None:
+def write_train_dir(out: Path, seed: int, record: dict, steps: int = 12) -> None:
     rng = np.random.default_rng([seed, 3])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train_log.csv", "w", newline="") as f:
         w = csv.writer(f, lineterminator="\n")
-        w.writerow(["step", "loss", "accuracy", "margin", "lr", "grad_norm", "tokens_per_s"])
+        w.writerow(["step", "loss", "accuracy", "margin", "lr", "grad_norm"])
         for s in range(1, steps + 1):
             w.writerow([s, round(0.69 * np.exp(-s / 8) + rng.uniform(0, 0.02), 6), round(min(1, 0.5 + s / 30), 6),
-                        round(s / 10, 6), 1e-3, round(float(rng.uniform(0.5, 2)), 6), 1000 + s])
-    # run_info as a trainer might write it: environment next to things that must never reach the bundle.
+                        round(s / 10, 6), 1e-3, round(float(rng.uniform(0.5, 2)), 6)])
+    # run_info as a trainer might write it, plus things that must never reach the bundle.
     write_json(out / "run_info.json", {
-        "world_size": 1, "backend": "gloo",
-        "environment": {"python": "3.11.9", "torch": "2.11.0+cu130", "transformers": "5.17.0",
-                        "cuda": "13.0", "gpu_name": "NVIDIA H200", "driver_version": "580.65.06"},
+        "world_size": 1, "backend": "gloo", "environment": record,
         "hostname": socket.gethostname(), "output_dir": str(out.resolve()), "timings": {"total_s": 1.5}})
     model = out / "model"
     (model / "sub").mkdir(parents=True, exist_ok=True)
@@ -119,8 +118,11 @@ def write_all(root: Path, params: dict, quality: float = 0.8) -> None:
     for step0, name in ((True, "probe_step0.jsonl"), (False, "probe_final.jsonl")):
         write_jsonl(root / "results/train_dpo" / name, dpo_rows(token_manifest, beta, seed, quality, step0, ref_free))
         write_jsonl(root / "results/train_rm" / name, rm_rows(token_manifest, seed, quality, step0))
-    write_train_dir(root / "results/train_dpo", seed)
-    write_train_dir(root / "results/train_rm", seed + 1)
+    # The real environment record of this process, as the environment stage writes it.
+    record = environment_record(params["train"])
+    write_json(root / "results/env/environment.json", record)
+    write_train_dir(root / "results/train_dpo", seed, record)
+    write_train_dir(root / "results/train_rm", seed + 1, record)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ def test_dvc_yaml_is_generated_from_the_snakefile():
 
 
 def test_check_mode_catches_a_hand_edit(tmp_path):
-    for name in ["Snakefile", "params.yaml", "dvc.yaml", "workflow", "stages", "data", "models"]:
+    for name in ["Snakefile", "params.yaml", "dvc.yaml", "workflow", "stages", "data", "models", "requirements"]:
         src = REPO_ROOT / name
         if src.is_dir():
             shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))

@@ -192,7 +192,11 @@ def test_padded_batch_gives_the_same_outputs_and_gradients(tmp_path, share_promp
         weights = torch.cat([torch.linspace(-1, 1, 6, dtype=got.dtype), torch.zeros(6, dtype=got.dtype)])
         (got * weights).sum().backward()
         for n, p in module.named_parameters():
-            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-7, msg=n)
+            # Padding changes the GEMM shapes, so BLAS may sum in another order: fp32 rounding, scaled to the
+            # gradient's magnitude (~8 ulps of its largest element), not a bitwise promise.
+            scale = float(want_grads[n].abs().max())
+            torch.testing.assert_close(p.grad, want_grads[n], rtol=1e-5, atol=1e-6 * max(scale, 1e-3),
+                                       msg=lambda m, n=n: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

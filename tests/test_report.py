@@ -32,7 +32,7 @@ EVALUATE_CMD = (
     " --bootstrap results/evaluate/bootstrap_summary.json --log logs/evaluate.log")
 PER_PAIR = [f"results/train_{m}/probe_{c}.jsonl" for m in ("dpo", "rm") for c in ("step0", "final")]
 SYNTH_OUTS = (["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
-               "results/tokens/probe_tokens.parquet"] + PER_PAIR
+               "results/tokens/probe_tokens.parquet", "results/env/environment.json"] + PER_PAIR
               + [f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json", "model")])
 HASHED_ONLY = ["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
                "results/tokens/probe_tokens.parquet", "results/train_dpo/model", "results/train_rm/model"]
@@ -40,7 +40,9 @@ REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
                 "--metrics", "metrics/dpo.json", "metrics/rm.json", "--per-pair", *PER_PAIR,
                 "--bootstrap-summary", "results/evaluate/bootstrap_summary.json",
                 "--train-log", "dpo=results/train_dpo/train_log.csv", "rm=results/train_rm/train_log.csv",
-                "--run-info", "dpo=results/train_dpo/run_info.json", "rm=results/train_rm/run_info.json"])
+                "--run-info", "dpo=results/train_dpo/run_info.json", "rm=results/train_rm/run_info.json",
+                "--environment", "results/env/environment.json",
+                "--probe-manifests", "results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json"])
 REPORT_CMD = ("python -m stages.report " + " ".join(REPORT_ARGS) + " --bundle results/report/evidence.tar.gz"
               " --summary results/report/summary.md --curves-dir results/report/curves --log logs/report.log")
 
@@ -65,7 +67,7 @@ def dvc_yaml() -> dict:
                          "metrics": [{"metrics/dpo.json": {"cache": False}}, {"metrics/rm.json": {"cache": False}}]},
             "report": {"cmd": REPORT_CMD,
                        "deps": [*HASHED_ONLY, "metrics/dpo.json", "metrics/rm.json", *PER_PAIR,
-                                "results/evaluate/bootstrap_summary.json",
+                                "results/evaluate/bootstrap_summary.json", "results/env/environment.json",
                                 *[f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json")]],
                        "outs": ["results/report/evidence.tar.gz", "results/report/summary.md", "results/report/curves"]},
         },
@@ -179,8 +181,11 @@ def test_bundle_byte_identical_contents_and_no_leaks(tmp_path):
     by_path = {a["path"]: a for a in manifest["artifacts"]}
     assert by_path["results/train_dpo/model"]["packed"] is False and by_path["results/train_dpo/model"]["nfiles"] == 3
     env = json.loads(members["evidence/environment.json"])
-    assert env["training"]["dpo"]["gpu_name"] == "NVIDIA H200" and "hostname" not in env["training"]["dpo"]
-    assert env["report_process"]["python"] == ".".join(map(str, sys.version_info[:3]))
+    record = json.loads((repo / "results/env/environment.json").read_text())
+    assert env["record"] == record and env["training"]["dpo"]["record"] == record
+    assert env["record"]["python"] == ".".join(map(str, sys.version_info[:2]))
+    assert set(env["training"]["dpo"]) == {"world_size", "backend", "record"}     # no hostname, paths, timings
+    assert members["evidence/artifacts/results/env/environment.json"] == (repo / "results/env/environment.json").read_bytes()
     summary = members["evidence/summary.md"].decode()
     assert "| dpo | 0.5000 |" in summary and "![dpo_train_curves.png](curves/dpo_train_curves.png)" in summary
 
@@ -277,3 +282,103 @@ def test_dvc_repro_lock_agrees_metrics_diff_plots_diff_and_rerun_identical(tmp_p
     sh(repo, "dvc", "repro", "-q", "--force")
     assert (repo / "results/report/evidence.tar.gz").read_bytes() == before
     assert sh(repo, "git", "status", "--porcelain") == ""  # dvc.lock and metrics unchanged by the rerun
+
+
+# --------------------------------------------------------------------------------------------------
+# verify: a reviewer checks someone else's bundle; tampered bundles are refused, naming the file
+# --------------------------------------------------------------------------------------------------
+
+def _verify(repo: Path, bundle: Path, *extra: str) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, "-m", "stages.report", "verify", str(bundle), "--workspace", str(repo), *extra],
+                       cwd=repo, env=_env(), capture_output=True, text=True)
+    return r.returncode, r.stdout + r.stderr
+
+
+def _rewrite(bundle: Path, out: Path, change, consistent: bool) -> Path:
+    """Apply `change(members)` and, when `consistent`, re-hash the manifest as a careful forger would, so
+    only the recomputations (metrics, workspace, environment) can catch it."""
+    members = _members(bundle.read_bytes())
+    change(members)
+    if consistent:
+        manifest = json.loads(members["evidence/manifest.json"])
+        for e in manifest["artifacts"]:
+            data = members.get(f"evidence/artifacts/{e['path']}")
+            if e["packed"] and data is not None:
+                e.update(md5=rp.hashlib.md5(data).hexdigest(), sha256=rp.hashlib.sha256(data).hexdigest(), size=len(data))
+        manifest["members"] = {n: {"sha256": rp.hashlib.sha256(d).hexdigest(), "size": len(d)}
+                               for n, d in sorted(members.items()) if n != "evidence/manifest.json"}
+        members["evidence/manifest.json"] = rp._json_bytes(manifest)
+    out.write_bytes(rp.deterministic_targz(members))
+    return out
+
+
+def _edit_json(members: dict, name: str, edit) -> None:
+    doc = json.loads(members[name])
+    edit(doc)
+    members[name] = rp._json_bytes(doc)
+
+
+def test_verify_accepts_a_genuine_bundle_and_names_every_tampered_file(tmp_path):
+    repo = _inputs(tmp_path, small_params())
+    rc, err = _report(repo, "o")
+    assert rc == 0, err
+    bundle = repo / "o/evidence.tar.gz"
+    rc, out = _verify(repo, bundle)
+    assert rc == 0, out
+    assert "MATCH    metrics/dpo.json: recomputed from" in out and "MATCH    metrics/rm.json" in out
+    assert "MATCH    results/train_dpo/model: workspace md5" in out
+    assert "MATCH    environment: same as this machine's" in out and " 0 differ," in out
+
+    metrics = "evidence/artifacts/metrics/dpo.json"
+    cases = {
+        # bytes changed, manifest left alone: the member's hash names it
+        "member": (lambda m: m.__setitem__(metrics, m[metrics].replace(b'"n_pairs"', b'"n_pairs" ')), False,
+                   "DIFFERS  evidence/artifacts/metrics/dpo.json: sha256"),
+        "missing": (lambda m: m.pop("evidence/summary.md"), False,
+                    "DIFFERS  evidence/summary.md: listed in the manifest, missing from the bundle"),
+        "extra": (lambda m: m.__setitem__("evidence/extra.txt", b"x"), False,
+                  "DIFFERS  evidence/extra.txt: in the bundle, not listed in the manifest"),
+        # a consistent forgery of a headline number: only recomputing from the per-pair rows catches it
+        "metric": (lambda m: _edit_json(m, metrics, lambda d: d["final"].__setitem__("accuracy", 0.99)), True,
+                   "DIFFERS  metrics/dpo.json: metrics/dpo.json.final.accuracy: bundle 0.99, recomputed"),
+        "bootstrap": (lambda m: _edit_json(m, "evidence/artifacts/results/evaluate/bootstrap_summary.json",
+                                           lambda d: d["models"]["rm"]["bootstrap"]["accuracy"]["final"]
+                                           .__setitem__("ci_low", 0.0)), True,
+                      "DIFFERS  results/evaluate/bootstrap_summary.json (rm): bootstrap_summary.models.rm.bootstrap"),
+        # a per-pair row whose label disagrees with its scores: evaluate's own check refuses it
+        "per_pair": (lambda m: m.__setitem__("evidence/artifacts/results/train_rm/probe_final.jsonl",
+                                             _flip_first_correct(m["evidence/artifacts/results/train_rm/probe_final.jsonl"])),
+                     True, "DIFFERS  metrics (rm): per-pair rows refused by evaluate: results/train_rm/probe_final.jsonl row 0"),
+    }
+    for name, (change, consistent, expect) in cases.items():
+        rc, out = _verify(repo, _rewrite(bundle, tmp_path / f"{name}.tar.gz", change, consistent))
+        assert rc == 1 and expect in out, (name, out)
+
+    # the workspace's model no longer is the one the bundle hashed
+    weights = repo / "results/train_dpo/model/model.safetensors"
+    weights.write_bytes(weights.read_bytes()[::-1])
+    rc, out = _verify(repo, bundle)
+    assert rc == 1 and "DIFFERS  results/train_dpo/model: workspace md5" in out, out
+
+
+def _flip_first_correct(data: bytes) -> bytes:
+    lines = data.decode().splitlines()
+    row = json.loads(lines[0])
+    row["correct"] = 1.0 - row["correct"] if row["correct"] != 0.5 else 1.0
+    return ("\n".join([rp.json.dumps(row, sort_keys=True, separators=(",", ":"))] + lines[1:]) + "\n").encode()
+
+
+def test_verify_reports_another_environment_and_can_require_the_same(tmp_path):
+    repo = _inputs(tmp_path, small_params())
+    rc, err = _report(repo, "o")
+    assert rc == 0, err
+
+    def other_torch(m):
+        _edit_json(m, "evidence/environment.json", lambda d: d["record"]["packages"].__setitem__("torch", "2.11.0+cu130"))
+    forged = _rewrite(repo / "o/evidence.tar.gz", tmp_path / "env.tar.gz", other_torch, True)
+    rc, out = _verify(repo, forged)
+    assert rc == 0 and "ENV-DIFF environment: packages.torch: recorded '2.11.0+cu130', here " in out, out
+    rc, out = _verify(repo, forged, "--require-same-environment")
+    assert rc == 1 and "environment differs from this machine's" in out, out
+    rc, out = _verify(repo, tmp_path / "absent.tar.gz")
+    assert rc == 1 and "not a readable evidence bundle" in out, out

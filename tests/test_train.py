@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -56,7 +57,8 @@ def assets(tmp_path):
 
 def stage_args(a: Path, out_flag: str, out: Path, params: Path) -> list[str]:
     return ["--params", str(params), "--model-dir", str(a / "model"), "--train-tokens", str(a / "train.parquet"),
-            "--probe-tokens", str(a / "probe.parquet"), out_flag, str(out), "--log", str(out) + ".log"]
+            "--probe-tokens", str(a / "probe.parquet"), out_flag, str(out), "--log", str(out) + ".log",
+            "--perf", str(out) + ".perf.json"]
 
 
 def torchrun(nproc: int, module: str, args: list[str], timeout: int = 240) -> None:
@@ -289,6 +291,13 @@ def test_dpo_under_torchrun_dp2_equals_dp1_and_learns(assets):
     assert info["world_size"] == 2 and info["backend"] == "gloo" and len(info["per_rank"]) == 2
     assert info["total_tokens"] == sum(r["tokens"] for r in info["per_rank"]) == pd.read_csv(
         assets / "hot/train_log.csv").tokens.sum()
+    # The hashed outputs hold results only; what varies run to run (timings, throughput, memory) is in perf.
+    text = json.dumps(info) + (assets / "hot/train_log.csv").read_text() + (assets / "hot.log").read_text()
+    assert "seconds" not in text and "tokens_per_s" not in text and "tok/s" not in text and "peak_memory" not in text
+    assert not re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", (assets / "hot.log").read_text())     # no timestamps
+    perf = json.loads((assets / "hot.perf.json").read_text())
+    assert perf["tokens_per_s"] > 0 and len(perf["peak_memory_bytes_per_rank"]) == 2 and perf["throughput_windows"]
+    assert info["environment"]["cpu_numerics"]["portable"] is True
     from transformers import AutoModelForCausalLM
     AutoModelForCausalLM.from_pretrained(assets / "hot/model")
 
@@ -443,3 +452,11 @@ def test_graph_optimizer_step_equals_the_eager_step(master):
         for i, st in sa["state"].items():
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(st[key], sb["state"][i][key], rtol=1e-6, atol=1e-9, msg=key)
+
+
+def test_split_measurements_moves_every_timing_out_of_the_facts():
+    from stages.lib.trainer import split_measurements
+    facts, times = split_measurements({"enabled": True, "capture_seconds": 0.4, "shapes": [{"tokens": 8}],
+                                       "optimizer": {"kind": "flat_triton_adamw", "warmup_seconds": 0.01}})
+    assert facts == {"enabled": True, "shapes": [{"tokens": 8}], "optimizer": {"kind": "flat_triton_adamw"}}
+    assert times == {"capture_seconds": 0.4, "optimizer": {"warmup_seconds": 0.01}}

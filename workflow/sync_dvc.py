@@ -9,11 +9,14 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
   `probe`; `train__lr=config["train"]["lr"]` becomes `train.lr` (`__` stands for the dot);
 * an output whose name starts with `metrics` is a DVC metric, `plots` a DVC plot (both kept in git,
   `cache: false`), an output named `persist_*` is kept across reruns (`persist: true`);
-* `log:` and `benchmark:` files are not DVC outs (they change on every run and prove nothing);
+* `benchmark:` files and `*.perf.json` logs are not DVC outs (timings change on every run and prove
+  nothing); a rule param named `env_*` is a Snakemake-only rerun trigger (the installed packages,
+  which DVC cannot hash: DVC sees the lock file, a dep of the environment stage);
 * DVC's cmd is Snakemake's shell command followed by `--record-for-snakemake OUTS`, which runs
   `snakemake --touch OUTS`: Snakemake then records the params, code and inputs DVC just ran with,
   so its params/code triggers agree with DVC instead of reading the records of its own last run;
-* each rule's `log:` is a DVC out with `cache: false, persist: true`: the log stays hash-tracked, and
+* each rule's main `log:` is a DVC out with `cache: false, persist: true` (stage logs carry no
+  timestamps or timings, so the record is the same on every run): the log stays hash-tracked, and
   a persisted out turns off DVC's run-cache for the stage (dvc/stage/cache.py `_can_hash`), so DVC
   never restores outputs without running the cmd and its Snakemake bookkeeping.
 """
@@ -30,6 +33,7 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+PERF_SUFFIX = ".perf.json"
 HEADER = (
     "# GENERATED from the Snakefile by `python workflow/sync_dvc.py`; do not edit by hand.\n"
     "# tests/test_dag.py fails when this file and the Snakefile disagree.\n"
@@ -96,11 +100,12 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
                 outs.append({path: {"persist": True}})
             else:
                 outs.append(path)
-        outs.extend({log: {"cache": False, "persist": True}} for log in job["logs"])
+        outs.extend({log: {"cache": False, "persist": True}} for log in job["logs"] if not log.endswith(PERF_SUFFIX))
         record = " ".join(job["unnamed_outputs"])
         stage = {"cmd": f"{job['cmd']} && python workflow/sync_dvc.py --record-for-snakemake {record}",
                  "deps": job["deps"]}
-        params = sorted({_param_key(n, v, config) for n, v in job["params"].items() if not n.startswith("cli_")})
+        params = sorted({_param_key(n, v, config) for n, v in job["params"].items()
+                         if not n.startswith(("cli_", "env_"))})
         if params:
             stage["params"] = params
         if outs:

@@ -101,12 +101,34 @@ def read_parquet(path: str | os.PathLike) -> pa.Table:
     return pq.read_table(path)
 
 
+def display_path(path: str | os.PathLike) -> str:
+    """A path as logs show it: relative to the working directory when inside it, so the same run in another
+    checkout writes the same log bytes (logs are hashed outputs)."""
+    rel = os.path.relpath(Path(path).resolve(), Path.cwd().resolve())
+    return Path(path).as_posix() if rel.startswith("..") else Path(rel).as_posix()
+
+
+# `log.info(..., extra=MEASUREMENT)`: a timing/throughput line. It reaches the console, never the log file.
+MEASUREMENT = {"measurement": True}
+
+
+class _NoMeasurements(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not getattr(record, "measurement", False)
+
+
 def setup_logging(log_file: str | os.PathLike | None, name: str) -> logging.Logger:
-    """Log to stderr and, when given, to the rule's log file (Snakemake `log:` / DVC cmd)."""
-    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    """Log to stderr (with timestamps) and, when given, to the rule's log file (Snakemake `log:` / DVC
+    cmd). The log file is a hashed output of its stage (dvc.lock), so it holds the run's results and
+    decisions only: no timestamps and no MEASUREMENT lines, and the same run writes the same bytes."""
+    console = logging.StreamHandler(sys.stderr)
+    console.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    handlers: list[logging.Handler] = [console]
     if log_file:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file, mode="w", encoding="utf-8"))
-    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True,
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        file_handler = logging.FileHandler(log_file, mode="w", encoding="utf-8")
+        file_handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
+        file_handler.addFilter(_NoMeasurements())
+        handlers.append(file_handler)
+    logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
     return logging.getLogger(name)

@@ -1,7 +1,7 @@
 """The shared distributed training loop for DPO and reward models (one file, top to bottom).
 
 Launch (the Snakemake rules do this; the same code runs on CPU with gloo and on GPUs with nccl):
-    torchrun --nproc-per-node 2 -m stages.train_dpo --params params.yaml --identity ... --out-dir ...
+    torchrun --nproc-per-node 2 -m stages.train_dpo -- --params params.yaml --identity ... --out-dir ...
     python -m stages.train_rm ...           # without torchrun: a single-process group of size 1
 
 One optimizer step, on every rank:
@@ -58,9 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stages.lib.environment import check_against_record, environment_record, pin_portable_cpu_numerics
 from stages.lib.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint,
                                    reference_of, run_header, save_checkpoint)
-from stages.lib.io import write_json, write_jsonl, write_text
+from stages.lib.io import MEASUREMENT, write_json, write_jsonl, write_text
 from stages.lib.modeling import TOKENIZER_MARKERS, USED_BACKENDS, attention_backend, warm_up_fused_kernels
 from stages.lib.packing import (BatchDims, MicroBatch, PackedBatch, StepPlan, TokenPairs, batch_dims, build_packed_batch,
                                 pad_packed_batch, plan_inference, plan_padded_shapes, plan_training,
@@ -87,6 +88,7 @@ class TrainSettings:
     gpus: int = 0                      # 0 = CPU with gloo; N = one process per GPU with nccl
     cpu_procs: int = 1                 # processes torchrun starts on CPU (read by the rule)
     cpu_threads: int = 1               # intra-op threads per CPU process: fixed, so results do not depend on the runner
+    portable_numerics: bool = True     # CPU: processor-independent kernels (stages/lib/environment.py)
     parallel: str = "ddp"              # ddp | fsdp2
     seed: int = 1234
     epochs: float = 1.0
@@ -156,6 +158,9 @@ class DistEnv:
 def init_distributed(settings: TrainSettings) -> DistEnv:
     """torchrun's env:// when launched by it; otherwise a one-process group, so the code path is the same."""
     use_cuda = settings.gpus > 0
+    if not use_cuda and settings.portable_numerics:
+        # Before this process's first tensor op: torch and MKL pick their CPU kernels once, at first use.
+        pin_portable_cpu_numerics()
     if use_cuda and not torch.cuda.is_available():
         raise TrainConfigError(f"train.gpus = {settings.gpus} but CUDA is not available on this machine "
                                "(set train.gpus: 0 to train on CPU)")
@@ -721,10 +726,30 @@ def peak_memory_bytes(env: DistEnv) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # CPU: peak RSS of the process
 
 
+def split_measurements(info: dict) -> tuple[dict, dict]:
+    """(facts, measurements), at any depth: keys ending in `_seconds` are timings, which vary run to run."""
+    facts, times = {}, {}
+    for k, v in info.items():
+        if k.endswith("_seconds"):
+            times[k] = v
+        elif isinstance(v, dict):
+            facts[k], inner = split_measurements(v)
+            if inner:
+                times[k] = inner
+        else:
+            facts[k] = v
+    return facts, times
+
+
 def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
-          probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None) -> dict:
+          probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
+          environment: dict | None = None, perf_path: Path | None = None) -> dict:
     """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
-    export; returns run_info (rank 0 writes files)."""
+    export; returns run_info plus its `perf` (rank 0 writes files).
+
+    run_info.json holds only what the same commit, params, data and environment reproduce byte for byte
+    (it is an artifact hashed in dvc.lock and the evidence); timings, throughput and memory go to
+    `perf_path` (the rule's `*.perf.json` log, outside the hashed record)."""
     t_start = time.perf_counter()
     out_dir = Path(out_dir)
     ckpt = checkpoint or CheckpointOptions(directory=None, resume="never")
@@ -819,6 +844,7 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     # the GPU. Rows are complete once flushed.
     pending: list[tuple[dict, torch.Tensor]] = []
     window = {"t": time.perf_counter(), "tokens": 0}
+    throughput: list[dict] = []
     saved_checkpoints: list[int] = []
 
     def flush_log() -> None:
@@ -830,15 +856,19 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         for (row, _), vals in zip(pending, values):
             pairs = row["pairs"]
             row.update({name: vals[i] / pairs for i, name in enumerate(metric_names)})
-            row.update({"grad_norm": vals[-1], "tokens_per_s": tok_s})
+            row["grad_norm"] = vals[-1]
             state.log_rows.append({k: row[k] for k in ["step", "epoch", *metric_names, "lr", "grad_norm", "pairs",
-                                                       "tokens", "tokens_per_s"]})
+                                                       "tokens"]})
         last = state.log_rows[-1]
+        # Throughput is a measurement, not a result: it goes to the perf record and the console, never
+        # into train_log.csv or the stage log, whose bytes are part of the hashed record.
+        throughput.append({"step": last["step"], "tokens_per_s": tok_s})
         progress.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", refresh=False)
         if env.is_main:
-            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g tok/s %.0f",
+            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g",
                      last["step"], len(plans), last["epoch"], last["loss"], last["accuracy"], last["margin"],
-                     last["lr"], last["grad_norm"], last["tokens_per_s"])
+                     last["lr"], last["grad_norm"])
+            log.info("step %d tok/s %.0f", last["step"], tok_s, extra=MEASUREMENT)
         pending.clear()
         window.update(t=now, tokens=0)
 
@@ -910,18 +940,18 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
     export_model(model, module, objective, settings, env, Path(model_dir), out_dir / "model")
     peaks = [None] * env.world_size
     dist.all_gather_object(peaks, peak_memory_bytes(env), group=env.control_group)
-    import transformers
+    graph_facts, graph_times = split_measurements(graph_info)
+    kernel_facts = dict(getattr(hf, "prefpipe_fused_kernels", {}))
     run_info = {
         "objective": objective.name,
         "head": objective.head,
         "world_size": env.world_size,
         "backend": env.backend,
         "device": env.device.type,
-        "gpu_name": torch.cuda.get_device_name(env.device) if env.device.type == "cuda" else None,
         "parallel": settings.parallel,
         "attention": sorted(USED_BACKENDS),
-        "cuda_graphs": graph_info,
-        "fused_kernels": {**getattr(hf, "prefpipe_fused_kernels", {}), "warmup_seconds": round(kernel_warmup_s, 3)},
+        "cuda_graphs": graph_facts,
+        "fused_kernels": kernel_facts,
         **({"reward_scoring": objective.scoring_info(hf)} if objective.head == "score" else {}),
         "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
         "model_parameters": n_params,
@@ -932,18 +962,27 @@ def train(objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, 
         "checkpoints_saved": saved_checkpoints,
         "per_rank": plan_summary(plans, train_pairs, env.world_size),
         "total_tokens": state.tokens,
+        # The record the numbers were made under (stages/lib/environment.py): versions, CPU dispatch, GPU.
+        "environment": environment if environment is not None else environment_record(asdict(settings)),
+    }
+    perf = {
         "train_seconds": round(train_seconds, 3),
         "wall_seconds": round(time.perf_counter() - t_start, 3),
         "tokens_per_s": round(state.tokens / max(train_seconds, 1e-9), 1),
+        "throughput_windows": throughput,
         "peak_memory_bytes_per_rank": peaks,
         "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "cpu_max_rss",
-        "torch_version": torch.__version__,
-        "transformers_version": transformers.__version__,
+        "kernel_warmup_seconds": round(kernel_warmup_s, 3),
+        "cuda_graphs": graph_times,
     }
     if env.is_main:
         write_train_log(out_dir / "train_log.csv", state.log_rows)
         write_json(out_dir / "run_info.json", run_info)
-    return run_info
+        if perf_path is not None:
+            write_json(perf_path, perf)
+        log.info("trained %d tokens in %.1f s (%.0f tok/s); peak memory %.2f GiB per rank (%s)", state.tokens,
+                 train_seconds, perf["tokens_per_s"], max(peaks) / 2**30, perf["peak_memory_kind"], extra=MEASUREMENT)
+    return {**run_info, "perf": perf}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -957,7 +996,11 @@ def add_common_args(parser) -> None:
     source.add_argument("--model-dir", help="a model directory used as is (tests, benchmarks)")
     parser.add_argument("--train-tokens", required=True, help="train_tokens.parquet")
     parser.add_argument("--probe-tokens", required=True, help="probe_tokens.parquet (manifest order)")
-    parser.add_argument("--log", help="log file (rank 0)")
+    parser.add_argument("--log", help="log file (rank 0): results and decisions, no timings")
+    parser.add_argument("--perf", help="JSON file for timings, throughput and memory (rank 0); they vary run to run, "
+                        "so they stay out of --log and the outputs")
+    parser.add_argument("--environment", help="the environment stage's environment.json: refuse to run when this "
+                        "process's environment differs from it")
 
 
 def add_checkpoint_args(parser) -> None:
@@ -978,6 +1021,14 @@ def checkpoint_options(args, env: DistEnv) -> CheckpointOptions:
     needed = env.is_main and (directory is not None or args.resume not in ("auto", "never"))
     reference = reference_of(identity_path=args.identity, model_dir=args.model_dir) if needed else None
     return CheckpointOptions(directory=directory, resume=args.resume, reference=reference)
+
+
+def stage_environment(args, settings: TrainSettings) -> dict:
+    """This process's environment record, checked against the DAG's (--environment) when given."""
+    train_params = asdict(settings)
+    if args.environment:
+        return check_against_record(args.environment, train_params)
+    return environment_record(train_params)
 
 
 def resolve_model_dir(args) -> Path:

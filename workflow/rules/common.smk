@@ -1,5 +1,14 @@
 # Shared by every rule file: artifact paths (one place, so rules and tests agree on names).
 
+import sys
+from pathlib import Path
+
+# Rule files import the stage modules that own a rule-time question (which files a source names, the
+# installed environment): the repository root must be importable whatever the working directory.
+_REPO = str(Path(workflow.main_snakefile).resolve().parent)
+if _REPO not in sys.path:
+    sys.path.insert(0, _REPO)
+
 RESULTS = "results"
 LOGS = "logs"
 
@@ -14,3 +23,9 @@ py = "stages/{}.py".format
 
 
 LIB = ["stages/lib/io.py", "stages/lib/params.py"]
+
+# The environment record (rule `environment`): an input of every stage, since every artifact's bytes
+# depend on library versions (parquet writers, tokenizers, RNGs, kernels) and the numeric ones on the
+# CPU dispatch / GPU as well. The lock is the environment the README installs.
+ENV_RECORD = f"{RESULTS}/env/environment.json"
+LOCK = "requirements/lock.txt"

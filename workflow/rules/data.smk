@@ -1,18 +1,14 @@
 # Data stages: raw sources -> canonical pairs -> frozen probe + train split.
 
-import sys
-from pathlib import Path
-
 # The stage module owns the expansion of a source's glob / directory into its files: these inputs
-# (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads.
-_REPO = str(Path(workflow.main_snakefile).resolve().parent)
-if _REPO not in sys.path:
-    sys.path.insert(0, _REPO)
+# (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads. (common.smk puts
+# the repository on sys.path.)
 from stages.normalize import source_paths
 
 
 rule normalize:
     input:
+        environment=ENV_RECORD,
         sources=[f for s in config["data"]["sources"] for f in source_paths(s["path"])],
         code=[py("normalize"), *LIB],
     output:
@@ -34,6 +30,7 @@ rule normalize:
 
 rule freeze_probe:
     input:
+        environment=ENV_RECORD,
         pairs=rules.normalize.output.pairs,
         code=[py("freeze_probe"), py("normalize"), *LIB],   # it hashes pairs with normalize.content_hash
     output:

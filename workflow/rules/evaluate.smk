@@ -6,6 +6,7 @@ RM_OUT = rules.train_rm.output
 
 rule evaluate:
     input:
+        environment=ENV_RECORD,
         probe_manifest=rules.freeze_probe.output.manifest,
         probe_token_manifest=rules.tokenize.output.probe_token_manifest,
         probe_tokens=rules.tokenize.output.probe_tokens,
@@ -52,6 +53,7 @@ HASHED_ARTIFACTS = [
 
 rule report:
     input:
+        environment=ENV_RECORD,
         artifacts=HASHED_ARTIFACTS,
         metrics=[rules.evaluate.output.metrics_dpo, rules.evaluate.output.metrics_rm],
         per_pair=[DPO_OUT.probe_step0, DPO_OUT.probe_final, RM_OUT.probe_step0, RM_OUT.probe_final],
@@ -60,7 +62,9 @@ rule report:
         rm_log=RM_OUT.plots_train_log,
         dpo_run_info=DPO_OUT.run_info,
         rm_run_info=RM_OUT.run_info,
-        code=[py("report"), *LIB],
+        probe_manifests=[rules.freeze_probe.output.manifest, rules.tokenize.output.probe_token_manifest],
+        # report's `verify` recomputes metrics with evaluate's code and the environment with lib's.
+        code=[py("report"), py("evaluate"), "stages/lib/environment.py", *LIB],
     output:
         bundle=f"{RESULTS}/report/evidence.tar.gz",
         summary=f"{RESULTS}/report/summary.md",
@@ -86,4 +90,5 @@ rule report:
         " --metrics {input.metrics} --per-pair {input.per_pair} --bootstrap-summary {input.bootstrap}"
         " --train-log dpo={input.dpo_log} rm={input.rm_log}"
         " --run-info dpo={input.dpo_run_info} rm={input.rm_run_info}"
+        " --environment {input.environment} --probe-manifests {input.probe_manifests}"
         " --bundle {output.bundle} --summary {output.summary} --curves-dir {output.curves} --log {log}"

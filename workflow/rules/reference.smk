@@ -3,6 +3,7 @@
 
 rule verify_ref:
     input:
+        environment=ENV_RECORD,
         ref_dir=config["ref"]["local_dir"],
         # A directory input only changes mtime when entries come or go; the lock changes with any file.
         lock=[f"{config['ref']['local_dir']}/prefpipe.lock.json"] if config["ref"]["source"] == "local" else [],
@@ -23,6 +24,7 @@ rule verify_ref:
 
 rule tokenize:
     input:
+        environment=ENV_RECORD,
         identity=rules.verify_ref.output.identity,
         train=rules.freeze_probe.output.train,
         probe=rules.freeze_probe.output.probe,

@@ -11,7 +11,7 @@ TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
 ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/kernels.py", "stages/lib/objectives.py",
           "stages/lib/trainer.py", "stages/lib/graphs.py", "stages/lib/flat_adamw.py", "stages/lib/step_profiler.py",
-          "stages/lib/checkpoint.py", py("verify_ref"), *LIB]
+          "stages/lib/checkpoint.py", "stages/lib/environment.py", py("verify_ref"), *LIB]
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
 USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
@@ -19,6 +19,7 @@ USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
 
 rule ref_logps:
     input:
+        environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=rules.verify_ref.output.identity,
@@ -39,7 +40,9 @@ rule ref_logps:
     conda:
         "../envs/pipeline.yaml"
     log:
-        f"{LOGS}/ref_logps.log",
+        main=f"{LOGS}/ref_logps.log",
+        # Timings, throughput, memory: they vary run to run, so they stay out of the hashed record.
+        perf=f"{LOGS}/ref_logps.perf.json",
     benchmark:
         f"{LOGS}/benchmarks/ref_logps.tsv"
     shell:
@@ -48,11 +51,12 @@ rule ref_logps:
         "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.ref_logps -- --params params.yaml"
         " --identity {input.identity}"
         " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " --out {output.ref_logps} --log {log}"
+        " --out {output.ref_logps} --environment {input.environment} --log {log.main} --perf {log.perf}"
 
 
 rule train_dpo:
     input:
+        environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=rules.verify_ref.output.identity,
@@ -75,17 +79,21 @@ rule train_dpo:
     conda:
         "../envs/pipeline.yaml"
     log:
-        f"{LOGS}/train_dpo.log",
+        main=f"{LOGS}/train_dpo.log",
+        # Timings, throughput, memory: they vary run to run, so they stay out of the hashed record.
+        perf=f"{LOGS}/train_dpo.perf.json",
     benchmark:
         f"{LOGS}/benchmarks/train_dpo.tsv"
     shell:
         "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_dpo -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo --log {log}"
+        " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo"
+        " --environment {input.environment} --log {log.main} --perf {log.perf}"
 
 
 rule train_rm:
     input:
+        environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=rules.verify_ref.output.identity,
@@ -106,10 +114,13 @@ rule train_rm:
     conda:
         "../envs/pipeline.yaml"
     log:
-        f"{LOGS}/train_rm.log",
+        main=f"{LOGS}/train_rm.log",
+        # Timings, throughput, memory: they vary run to run, so they stay out of the hashed record.
+        perf=f"{LOGS}/train_rm.perf.json",
     benchmark:
         f"{LOGS}/benchmarks/train_rm.tsv"
     shell:
         "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_rm -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm --log {log}"
+        " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm"
+        " --environment {input.environment} --log {log.main} --perf {log.perf}"

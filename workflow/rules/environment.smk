@@ -1,0 +1,27 @@
+# The environment as an input: python, locked package versions, the CPU dispatch in force under
+# train.portable_numerics, CUDA/GPU for GPU runs (stages/lib/environment.py defines the record).
+
+from stages.lib.environment import installed_fingerprint
+
+
+rule environment:
+    input:
+        lock=LOCK,
+        code=[py("environment"), "stages/lib/environment.py", *LIB],
+    output:
+        record=ENV_RECORD,
+    params:
+        train__gpus=config["train"]["gpus"],
+        train__cpu_threads=config["train"]["cpu_threads"],
+        train__portable_numerics=config["train"]["portable_numerics"],
+        # Snakemake-only rerun trigger (sync_dvc.py drops env_* params): a package upgraded outside the
+        # lock reruns this rule; DVC sees only the lock file.
+        env_installed=installed_fingerprint(),
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/environment.log",
+    benchmark:
+        f"{LOGS}/benchmarks/environment.tsv"
+    shell:
+        "python -m stages.environment --params params.yaml --lock {input.lock} --out {output.record} --log {log}"
