@@ -1,6 +1,7 @@
 """End to end on the embedded default: real Snakemake and real DVC in a temporary git repository.
 
-One sequential story, as a user lives it: `snakemake --cores 2`, then DVC agrees nothing changed;
+One sequential story, as a user lives it: `snakemake --cores 2` reproduces the committed record (dvc.lock and
+metrics/, byte for byte: the golden check of the portable CPU numerics), then DVC agrees nothing changed;
 `dvc repro` twice does nothing; a probe.seed change reruns exactly what depends on it (under
 `dvc repro`), after which Snakemake agrees nothing is left to do; metrics diff between commits.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -53,9 +55,25 @@ def dvc_changed_stages(repo: Path) -> set[str]:
     return {name.split(":")[-1] for name in status}
 
 
+def lock_outs(text: str) -> dict[str, str]:
+    doc = yaml.safe_load(text)
+    return {f"{name}:{o['path']}": o.get("md5") for name, st in doc["stages"].items() for o in st.get("outs", [])}
+
+
 def test_snakemake_and_dvc_run_one_dag(tmp_path):
     repo = copy_checkout(tmp_path)
     sh("snakemake", "--cores", "2", cwd=repo)
+    # Golden: a clean checkout, run as README's first command runs it, gives exactly the committed record.
+    # Every artifact of the CPU default is portable (docs/ARTIFACTS.md), so this holds on any x86-64 CPU
+    # with the locked environment; a stale record (code changed, dvc.lock not regenerated) fails here too.
+    committed, produced = (REPO_ROOT / "dvc.lock").read_text(), (repo / "dvc.lock").read_text()
+    if produced != committed:
+        a, b = lock_outs(committed), lock_outs(produced)
+        outs = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        raise AssertionError("the run does not reproduce the committed dvc.lock; differing outs: "
+                             f"{outs or 'none (deps/params differ: the record is stale)'}")
+    for name in ("dpo", "rm"):
+        assert (repo / f"metrics/{name}.json").read_bytes() == (REPO_ROOT / f"metrics/{name}.json").read_bytes(), name
     stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
     for stage in stages.values():
         for out in stage.get("outs", []):
@@ -92,6 +110,17 @@ def test_snakemake_and_dvc_run_one_dag(tmp_path):
     assert dvc_changed_stages(repo) == set()
     out = sh("dvc", "repro", cwd=repo)
     assert "Running stage" not in out, out
+
+    # The environment is an input: a locked version changed names the environment stage, and only it (its
+    # record is what the other stages depend on, and the installed packages have not changed).
+    lock = repo / "requirements/lock.txt"
+    text = lock.read_text()
+    changed = re.sub(r"^tqdm==\S+", "tqdm==0.0.1", text, count=1, flags=re.M)
+    assert changed != text
+    lock.write_text(changed)
+    assert dvc_changed_stages(repo) == {"environment"}
+    lock.write_text(text)
+    assert dvc_changed_stages(repo) == set()
 
     # Between commits: the metrics diff shows numbers, the training curves render.
     commit(repo, "probe seed and beta changed")
