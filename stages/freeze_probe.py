@@ -20,19 +20,15 @@ stages check.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import sys
 from dataclasses import dataclass
 
 import pyarrow as pa
 
-from stages.lib.io import (canonical_json, read_parquet, setup_logging, sha256_json, write_json,
-                           write_parquet)
+from stages.lib.contracts import PAIR_COLUMNS, missing_pair_columns, pair_problems, probe_digest
+from stages.lib.io import canonical_json, read_parquet, setup_logging, sha256_text, write_json, write_parquet
 from stages.lib.params import load_params
-from stages.normalize import content_hash
 
-PAIR_COLUMNS = ["pair_id", "content_hash", "source", "prompt", "chosen", "rejected", "margin",
-                "src_file", "src_row"]
 SELECTION = ("ascending sha256(f'{seed}:{pair_id}'), at most one pair per normalized prompt "
              "(canonical JSON of messages, whitespace-collapsed content)")
 LEAK = "probe_prompt_leak"
@@ -60,35 +56,19 @@ def prompt_key(prompt: list[dict]) -> str:
 
 
 def selection_rank(seed: int, pair_id: str) -> str:
-    return hashlib.sha256(f"{seed}:{pair_id}".encode("utf-8")).hexdigest()
-
-
-def probe_digest(pair_ids: list[str], content_hashes: list[str]) -> str:
-    return sha256_json([[p, c] for p, c in zip(pair_ids, content_hashes, strict=True)])
+    return sha256_text(f"{seed}:{pair_id}")
 
 
 def _check_pairs(pairs: pa.Table, where: str) -> None:
-    missing = [c for c in PAIR_COLUMNS if c not in pairs.column_names]
+    missing = missing_pair_columns(pairs.column_names)
     if missing:
         raise ProbeError(f"{where}: missing column(s) {missing}; expected normalize's pairs schema "
                          f"{PAIR_COLUMNS} (docs/ARTIFACTS.md)")
-    pair_ids = pairs.column("pair_id").to_pylist()
-    hashes = pairs.column("content_hash").to_pylist()
-    seen: dict[str, int] = {}
-    for row, (pid, ch) in enumerate(zip(pair_ids, hashes)):
-        if not isinstance(pid, str) or not isinstance(ch, str) or not ch.startswith(pid) or len(pid) != 24:
-            raise ProbeError(f"{where} row {row}: pair_id {pid!r} is not the first 24 hex of "
-                             f"content_hash {ch!r}")
-        if pid in seen:
-            raise ProbeError(f"{where} rows {seen[pid]} and {row}: duplicate pair_id {pid}")
-        seen[pid] = row
     # The manifest vouches for content by content_hash: recompute it rather than trust it.
-    texts = pairs.select(["prompt", "chosen", "rejected"]).to_pylist()
-    for row, (pid, ch, content) in enumerate(zip(pair_ids, hashes, texts)):
-        actual = content_hash(content["prompt"], content["chosen"], content["rejected"])
-        if actual != ch:
-            raise ProbeError(f"{where} row {row} (pair {pid}): content_hash {ch} does not match the "
-                             f"row's prompt/chosen/rejected (sha256 of their canonical JSON is {actual})")
+    problems = pair_problems(pairs.select(["pair_id", "content_hash", "prompt", "chosen", "rejected"]).to_pylist())
+    if problems:
+        raise ProbeError(f"{where}: {len(problems)} pair(s) do not match their recorded hashes:\n  "
+                         + "\n  ".join(problems[:20]))
 
 
 def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs") -> ProbeSplit:

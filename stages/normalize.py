@@ -74,7 +74,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from stages.lib.io import setup_logging, sha256_json, write_json, write_parquet
+from stages.lib.contracts import PAIRS_SCHEMA, content_hash, pair_id_of
+from stages.lib.io import setup_logging, write_json, write_parquet
 from stages.lib.params import load_params
 
 # ----------------------------------------------------------------------------------------------
@@ -442,11 +443,7 @@ class Pair:
 
     @property
     def pair_id(self) -> str:
-        return self.content_hash[:24]
-
-
-def content_hash(prompt: list[Message], chosen: list[Message], rejected: list[Message]) -> str:
-    return sha256_json({"prompt": prompt, "chosen": chosen, "rejected": rejected})
+        return pair_id_of(self.content_hash)
 
 
 def normalize_row(row: Any, fmt: str, columns: dict | None = None) -> Pair:
@@ -741,12 +738,6 @@ def _normalize_file(rows: list[SourceRow], spec: dict, path: str, stat: dict, ou
 # ----------------------------------------------------------------------------------------------
 # Tables and CLI
 
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-PAIRS_SCHEMA = pa.schema([
-    ("pair_id", pa.string()), ("content_hash", pa.string()), ("source", pa.string()),
-    ("prompt", MESSAGES), ("chosen", MESSAGES), ("rejected", MESSAGES), ("margin", pa.float64()),
-    ("src_file", pa.string()), ("src_row", pa.int64()),
-])
 REJECTIONS_SCHEMA = pa.schema([
     ("source", pa.string()), ("src_file", pa.string()), ("src_row", pa.int64()),
     ("reason", pa.string()), ("detail", pa.string()), ("raw", pa.string()),

@@ -43,7 +43,6 @@ import argparse
 import logging
 import csv
 import gzip
-import hashlib
 import io
 import json
 import math
@@ -54,7 +53,7 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from stages.lib.io import atomic_path, setup_logging, write_text
+from stages.lib.io import MD5, SHA256, atomic_path, hash_bytes, hash_file, setup_logging, sha256_bytes, write_text
 from stages.lib.params import load_params
 
 BUNDLE_ROOT = "evidence"
@@ -80,14 +79,8 @@ class LeakError(ReportError):
 # --------------------------------------------------------------------------------------------------
 
 def _md5_and_sha256(path: Path) -> tuple[str, str, int]:
-    md5, sha = hashlib.md5(usedforsecurity=False), hashlib.sha256()
-    size = 0
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            md5.update(chunk)
-            sha.update(chunk)
-            size += len(chunk)
-    return md5.hexdigest(), sha.hexdigest(), size
+    size, digests = hash_file(path, (MD5, SHA256))
+    return digests[MD5], digests[SHA256], size
 
 
 def dvc_dir_entries(path: Path) -> list[dict]:
@@ -109,7 +102,7 @@ def dvc_hash(path: str | os.PathLike) -> dict[str, Any]:
         entries = dvc_dir_entries(p)
         listing = [{"md5": e["md5"], "relpath": e["relpath"]} for e in entries]
         blob = json.dumps(listing, sort_keys=True).encode("utf-8")
-        return {"kind": "dir", "md5": hashlib.md5(blob, usedforsecurity=False).hexdigest() + ".dir",
+        return {"kind": "dir", "md5": hash_bytes(blob, MD5) + ".dir",
                 "size": sum(e["_size"] for e in entries), "nfiles": len(entries)}
     if p.is_file():
         md5, sha, size = _md5_and_sha256(p)
@@ -360,8 +353,8 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
         "evaluation": evaluation_map(sorted(packed)),
         "hashes": "md5 as in dvc.lock (directories: md5 of DVC's .dir listing + '.dir'); sha256 for files",
         "artifacts": entries,
-        "params_sha256": hashlib.sha256(members[f"{BUNDLE_ROOT}/params.yaml"]).hexdigest(),
-        "members": {name: {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+        "params_sha256": sha256_bytes(members[f"{BUNDLE_ROOT}/params.yaml"]),
+        "members": {name: {"sha256": sha256_bytes(data), "size": len(data)}
                     for name, data in sorted(members.items())},
     }
     members[f"{BUNDLE_ROOT}/manifest.json"] = _json_bytes(manifest)
@@ -490,7 +483,8 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     """Recompute what a bundle claims: member hashes, artifact hashes (packed ones from the bundle, the
     others from `workspace` when it holds them, and against its dvc.lock), the metrics and bootstrap bounds
     from the per-pair rows, and the environment against this process's."""
-    from stages import evaluate
+    from stages.lib import scoring
+    from stages.lib.contracts import PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCHEMA, shape_problem
     from stages.lib.environment import compare_records, environment_record
 
     v = Verdicts()
@@ -513,12 +507,12 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
         elif name not in listed:
             v.add(False, name, "in the bundle, not listed in the manifest")
         else:
-            got = hashlib.sha256(members[name]).hexdigest()
+            got = sha256_bytes(members[name])
             v.add(got == listed[name]["sha256"] and len(members[name]) == listed[name]["size"], name,
                   f"sha256 {got[:16]}…" if got == listed[name]["sha256"] else
                   f"sha256 {got} != manifest {listed[name]['sha256']}")
     params_bytes = members.get(f"{BUNDLE_ROOT}/params.yaml", b"")
-    v.add(hashlib.sha256(params_bytes).hexdigest() == manifest.get("params_sha256"), f"{BUNDLE_ROOT}/params.yaml",
+    v.add(sha256_bytes(params_bytes) == manifest.get("params_sha256"), f"{BUNDLE_ROOT}/params.yaml",
           "params_sha256 of the manifest")
 
     # 2. artifacts
@@ -531,8 +525,7 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
             if data is None:
                 v.add(False, rel, "packed artifact missing from the bundle")
                 continue
-            md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
-            sha = hashlib.sha256(data).hexdigest()
+            md5, sha = hash_bytes(data, MD5), sha256_bytes(data)
             ok = md5 == e.get("md5") and sha == e.get("sha256") and len(data) == e.get("size")
             v.add(ok, rel, f"md5 {md5}" if ok else f"md5 {md5} / sha256 {sha} != manifest {e.get('md5')} / "
                   f"{e.get('sha256')}")
@@ -559,8 +552,17 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
 
     pm, tm = packed_json(probe.get("probe_manifest")), packed_json(probe.get("probe_token_manifest"))
     boot = packed_json(probe.get("bootstrap_summary"))
+    misshapen = False
+    for rel, obj, schema, what in ((probe.get("probe_manifest"), pm, PROBE_MANIFEST_SCHEMA, "probe manifest"),
+                                   (probe.get("probe_token_manifest"), tm, PROBE_TOKEN_MANIFEST_SCHEMA,
+                                    "probe token manifest")):
+        if obj is not None and (problem := shape_problem(obj, schema)) is not None:
+            v.add(False, rel, f"not a valid {what} ({problem})")
+            misshapen = True
     for kind in ("dpo", "rm"):
         files = ev_map.get(kind, {})
+        if misshapen:
+            continue
         if pm is None or tm is None or not {"step0", "final", "metrics"} <= set(files):
             v.add(None, f"metrics ({kind})", "the bundle lacks the per-pair files or probe manifests to recompute")
             continue
@@ -569,9 +571,9 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
             text = members[f"{BUNDLE_ROOT}/artifacts/{files[which]}"].decode("utf-8")
             rows[which] = [json.loads(line) for line in text.splitlines() if line.strip()]
         try:
-            metrics, summary = evaluate.evaluate_model(kind, rows["step0"], rows["final"], pm, tm, params,
+            metrics, summary = scoring.evaluate_model(kind, rows["step0"], rows["final"], pm, tm, params,
                                                        files["step0"], files["final"])
-        except (evaluate.ProbeMismatchError, evaluate.PerPairFileError, KeyError, ValueError) as e:
+        except (scoring.ProbeMismatchError, scoring.PerPairFileError, KeyError, ValueError) as e:
             v.add(False, f"metrics ({kind})", f"per-pair rows refused by evaluate: {e}")
             continue
         diffs: list[str] = []

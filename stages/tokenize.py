@@ -68,10 +68,10 @@ from typing import Any, Iterable
 import numpy as np
 import pyarrow as pa
 
+from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, TOKENIZER_FILES, TOKENS_SCHEMA, ContractError, check_shape,
+                                  pair_problems, probe_digest, token_digest, token_hash)
 from stages.lib.io import (canonical_json, display_path, read_json, read_parquet, setup_logging, sha256_file,
                            sha256_json, write_json, write_parquet)
-from stages import normalize
-from stages.freeze_probe import probe_digest
 from stages.lib.params import load_params
 
 TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end")
@@ -80,23 +80,6 @@ TRUNCATION_REASONS = ("completion_cut", "prompt_turns_dropped", "prompt_text_cut
 PLAIN_ROLE_TAGS = {"system": "System", "user": "User", "assistant": "Assistant"}
 PLAIN_TURN_SEPARATOR = "\n\n"
 ENCODE_BATCH_PAIRS = 1024
-
-# Files that decide how text becomes token ids (or how it is rendered); their hashes are the
-# tokenizer identity recorded next to the probe's token hashes.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "added_tokens.json", "vocab.json", "merges.txt", "vocab.txt", "tokenizer.model",
-                   "spiece.model", "sentencepiece.bpe.model", "chat_template.jinja",
-                   "chat_template.json")
-
-TOKENS_SCHEMA = pa.schema([
-    ("pair_id", pa.string()),
-    ("chosen_ids", pa.list_(pa.int32())),
-    ("chosen_prompt_len", pa.int32()),
-    ("rejected_ids", pa.list_(pa.int32())),
-    ("rejected_prompt_len", pa.int32()),
-    ("margin", pa.float64()),
-    ("token_hash", pa.string()),
-])
 
 REJECTIONS_SCHEMA = pa.schema([
     ("split", pa.string()),
@@ -343,11 +326,6 @@ class PairTokenizer:
 # Pairs -> token rows
 # ---------------------------------------------------------------------------------------------
 
-def token_hash(chosen_ids: list[int], chosen_prompt_len: int, rejected_ids: list[int],
-               rejected_prompt_len: int) -> str:
-    return sha256_json([chosen_ids, chosen_prompt_len, rejected_ids, rejected_prompt_len])
-
-
 @dataclass
 class SplitResult:
     split: str
@@ -544,24 +522,9 @@ def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Bra
 # Input integrity: pairs are what freeze_probe wrote, the probe is the frozen probe
 # ---------------------------------------------------------------------------------------------
 
-def content_hash(pair: dict) -> str:
-    """normalize's content hash of a pair row, over role/content only (docs/ARTIFACTS.md)."""
-    def msgs(messages):
-        return [{"role": m["role"], "content": m["content"]} for m in messages]
-    return normalize.content_hash(msgs(pair["prompt"]), msgs(pair["chosen"]), msgs(pair["rejected"]))
-
-
 def check_pairs(pairs: list[dict], path: str) -> None:
     """Every pair's content still hashes to its content_hash / pair_id, and pair IDs are unique."""
-    problems, seen = [], set()
-    for i, pair in enumerate(pairs):
-        if pair["pair_id"] in seen:
-            problems.append(f"row {i}: duplicate pair_id {pair['pair_id']}")
-        seen.add(pair["pair_id"])
-        actual = content_hash(pair)
-        if actual != pair["content_hash"] or pair["pair_id"] != pair["content_hash"][:24]:
-            problems.append(f"row {i}: pair_id {pair['pair_id']} content_hash {pair['content_hash'][:12]}… "
-                            f"but its messages hash to {actual[:12]}…")
+    problems = pair_problems(pairs)
     if problems:
         raise TokenizeError(f"{path}: {len(problems)} pair(s) do not match their recorded hashes "
                             f"(edited after normalize?):\n  " + "\n  ".join(problems[:20]))
@@ -620,7 +583,7 @@ def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity
     truncated = sorted(({"index": index[t["pair_id"]], **t, "token_hash": hashes[index[t["pair_id"]]]}
                         for t in truncations), key=lambda t: t["index"])
     manifest = {"pair_ids": pair_ids, "token_hashes": hashes,
-                "token_digest": sha256_json([[p, h] for p, h in zip(pair_ids, hashes)]),
+                "token_digest": token_digest(pair_ids, hashes),
                 "probe_digest": probe_digest, "tokenizer_identity": tok_identity}
     if limits is not None:
         manifest["limits"] = limits.as_dict()
@@ -697,7 +660,10 @@ def read_pairs(path: str) -> list[dict]:
 def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
         manifest_path: str, log) -> tuple[SplitResult, SplitResult, dict, dict]:
     """Everything but writing: returns (train result, probe result, probe token manifest, report)."""
-    manifest = read_json(manifest_path)
+    try:
+        manifest = check_shape(read_json(manifest_path), PROBE_MANIFEST_SCHEMA, "probe manifest", manifest_path)
+    except ContractError as e:
+        raise TokenizeError(str(e)) from None
     train, probe = read_pairs(train_path), read_pairs(probe_path)
     check_pairs(train, train_path)
     check_pairs(probe, probe_path)
@@ -740,7 +706,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     log = setup_logging(args.log, "tokenize")
 
-    from stages.verify_ref import load_verified_dir
+    from stages.lib.reference import load_verified_dir
 
     try:
         limits = TokenizeLimits.from_params(load_params(args.params)["tokenize"])

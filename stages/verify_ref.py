@@ -37,183 +37,37 @@ metadata/lock are reported as unverified `extras` (warned, listed in the identit
 that transformers would load (config, tokenizer, weights, chat templates, code) is an error instead.
 `.cache/huggingface/` bookkeeping (CACHEDIR.TAG, .gitignore, *.metadata, *.lock) is accepted.
 
-Nothing loads the model here; later stages call `load_verified_dir(identity_path)`, which re-checks the
+Nothing loads the model here; later stages call `stages.lib.reference.load_verified_dir(identity_path)`, which re-checks the
 identity file's own digest, every file's size, the lock's hash (local) or metadata (hf), and that no
 loadable file appeared, then returns the directory to load from.
 """
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
-import re
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
-from typing import Callable, Iterable
+from typing import Callable
 
-from stages.lib.io import MEASUREMENT, read_json, sha256_bytes, sha256_json, setup_logging, write_json
+from stages.lib.contracts import TOKENIZER_VOCAB_FILES, shape_problem
+from stages.lib.io import GIT_SHA1, MEASUREMENT, SHA256, hash_bytes, setup_logging, sha256_bytes, sha256_json, write_json
+from stages.lib.reference import (COMMIT_RE, CONFIG_FILE, HF_DOWNLOAD_DIR, IDENTITY_FORMAT, LOCK_FORMAT, LOCK_NAME,
+                                  LOCK_SCHEMA, SHA256_RE, SINGLE_WEIGHT_FILES, RefIdentityError, _fail, hash_files,
+                                  identity_digest, index_shard_suffix, is_hf_bookkeeping, is_loaded_by_transformers,
+                                  is_weight_index, list_files, parse_hf_metadata, unsafe_relpath_reason)
+# The readers every other stage uses live in lib (stages import lib only); re-exported for `verify_ref`'s
+# callers that predate the move.
+from stages.lib.reference import load_verified_dir, read_identity  # noqa: F401
 
 log = logging.getLogger("verify_ref")
 
 # ======================================================================================= constants
 
-LOCK_NAME = "prefpipe.lock.json"
-LOCK_FORMAT = "prefpipe-ref-lock/1"
-IDENTITY_FORMAT = "prefpipe-ref-identity/1"
-HF_DIR = ".cache/huggingface"
-HF_DOWNLOAD_DIR = HF_DIR + "/download"
-HF_BOOKKEEPING_FILES = {HF_DIR + "/CACHEDIR.TAG", HF_DIR + "/.gitignore", HF_DIR + "/.gitignore.lock"}
-
-GIT_SHA1 = "git-sha1"  # git blob SHA-1, the hub's ETag for non-LFS files
-SHA256 = "sha256"  # the hub's ETag for LFS files; also every hash in a local lock
-
-COMMIT_RE = re.compile(r"[0-9a-f]{40}")
-SHA256_RE = re.compile(r"[0-9a-f]{64}")
-DRIVE_RE = re.compile(r"^[A-Za-z]:")
-
-SINGLE_WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
-WEIGHT_SUFFIXES = (".safetensors", ".bin")
-CONFIG_FILE = "config.json"
-# One of these must be present and verified: without a vocabulary there is no tokenizer.
-TOKENIZER_VOCAB_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt",
-                         "sentencepiece.bpe.model")
-# Root files transformers reads on from_pretrained (model or tokenizer): never allowed unverified.
-LOADED_ROOT_FILES = frozenset({
-    CONFIG_FILE, "generation_config.json", *SINGLE_WEIGHT_FILES, *TOKENIZER_VOCAB_FILES,
-    "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "merges.txt",
-    "chat_template.jinja", "chat_template.json", "preprocessor_config.json", "processor_config.json",
-})
-LOADED_DIRS = ("additional_chat_templates/",)
-
-HASH_CHUNK = 4 << 20  # per-thread read buffer; memory is bounded by workers * HASH_CHUNK
 MAX_INDEX_BYTES = 64 << 20  # weight indexes are read whole (hashed and parsed from the same bytes)
-
-
-class RefIdentityError(ValueError):
-    """The reference directory (or its identity file) is not what was pinned; the message names files."""
-
-
-def _fail(header: str, problems: Iterable[str]) -> None:
-    problems = list(dict.fromkeys(problems))  # dedupe, keep order
-    if problems:
-        raise RefIdentityError(header + "\n" + "\n".join(f"  - {p}" for p in problems))
-
-
-def default_workers() -> int:
-    return max(1, min(16, os.cpu_count() or 1))
-
-
-# ========================================================================================= hashing
-
-def git_blob_sha1(data: bytes) -> str:
-    return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-
-
-def hash_bytes(data: bytes, algo: str) -> str:
-    return git_blob_sha1(data) if algo == GIT_SHA1 else sha256_bytes(data)
-
-
-def hash_file(path: Path, algo: str, chunk: int = HASH_CHUNK) -> tuple[int, str]:
-    """Stream one file through its hash in bounded memory; returns (size, hex digest).
-
-    hashlib releases the GIL on large updates, so several of these run truly in parallel in threads.
-    """
-    with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        h = hashlib.sha1(b"blob %d\0" % size) if algo == GIT_SHA1 else hashlib.sha256()
-        buf = bytearray(min(chunk, max(size, 1)))
-        view = memoryview(buf)
-        total = 0
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            total += n
-    if total != size:  # the git prefix committed to `size`; a file growing/shrinking mid-read is no proof
-        raise OSError(f"changed size while being hashed ({size} -> {total} bytes)")
-    return size, h.hexdigest()
-
-
-def hash_files(root: Path, jobs: dict[str, str], workers: int | None = None) -> dict[str, tuple[int, str] | str]:
-    """Hash {relpath: algo} in parallel (largest first); value is (size, hex) or an error string."""
-    def one(rel: str) -> tuple[int, str] | str:
-        try:
-            return hash_file(root / rel, jobs[rel])
-        except OSError as e:
-            return f"cannot read: {e.strerror or e}"
-
-    def size_of(rel: str) -> int:
-        try:
-            return (root / rel).stat().st_size
-        except OSError:
-            return 0
-
-    order = sorted(jobs, key=lambda r: (-size_of(r), r))
-    with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        return dict(zip(order, pool.map(one, order)))
-
-
-# ======================================================================================= inventory
-
-def list_files(root: Path) -> list[str]:
-    """Every regular file (or symlink to one) under root as a posix relpath, sorted."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in filenames:
-            p = Path(dirpath) / name
-            if p.is_file():
-                out.append((rel_dir / name).as_posix())
-    return sorted(out)
-
-
-def is_hf_bookkeeping(rel: str) -> bool:
-    if rel in HF_BOOKKEEPING_FILES:
-        return True
-    return rel.startswith(HF_DOWNLOAD_DIR + "/") and rel.endswith((".metadata", ".lock"))
-
-
-def is_loaded_by_transformers(rel: str) -> bool:
-    if "/" not in rel:
-        return rel in LOADED_ROOT_FILES or rel.endswith(".py") or is_weight_index(rel)
-    return rel.startswith(LOADED_DIRS)
-
-
-def is_weight_index(rel: str) -> bool:
-    return rel.endswith(".index.json") and index_shard_suffix(rel) is not None
-
-
-def index_shard_suffix(rel: str) -> str | None:
-    """`model.safetensors.index.json` -> `.safetensors`; None when the name implies no weight format."""
-    base = PurePosixPath(rel).name[: -len(".index.json")]
-    suffix = PurePosixPath(base).suffix
-    return suffix if suffix in WEIGHT_SUFFIXES else None
-
-
-def unsafe_relpath_reason(path: object) -> str | None:
-    """Why `path` is not a safe, normalised, relative posix path inside the snapshot (None if it is)."""
-    if not isinstance(path, str) or not path:
-        return "not a non-empty string"
-    if "\\" in path:
-        return "contains a backslash"
-    if path.startswith("/"):
-        return "is absolute"
-    if DRIVE_RE.match(path):
-        return "has a drive letter"
-    parts = path.split("/")
-    if ".." in parts:
-        return "contains '..'"
-    if "" in parts or "." in parts:
-        return "is not normalised (empty or '.' component)"
-    if "\0" in path:
-        return "contains a NUL byte"
-    return None
 
 
 # ===================================================================================== expectations
@@ -226,27 +80,6 @@ class Expected:
     hash: str
     size: int | None  # known for local locks; hf metadata records no size
     claimed_by: str
-
-
-def parse_hf_metadata(text: str, where: str) -> tuple[str, str, float]:
-    """`commit_hash\\netag\\ntimestamp\\n` -> (commit, etag, timestamp); strict, never mutates anything."""
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines = lines[:-1]
-    if len(lines) != 3:
-        raise RefIdentityError(f"{where}: malformed metadata: expected 3 lines "
-                               f"(commit_hash, etag, timestamp), got {len(lines)}")
-    commit, etag, stamp = (s.strip() for s in lines)
-    if not COMMIT_RE.fullmatch(commit):
-        raise RefIdentityError(f"{where}: malformed metadata: commit_hash {commit!r} is not 40 lowercase hex")
-    if not (COMMIT_RE.fullmatch(etag) or SHA256_RE.fullmatch(etag)):
-        raise RefIdentityError(f"{where}: malformed metadata: etag {etag!r} is neither a 40-hex git blob "
-                               f"SHA-1 nor a 64-hex SHA-256")
-    try:
-        ts = float(stamp)
-    except ValueError:
-        raise RefIdentityError(f"{where}: malformed metadata: timestamp {stamp!r} is not a number") from None
-    return commit, etag, ts
 
 
 def check_hf_revision(revision: object) -> str:
@@ -337,17 +170,14 @@ def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict
         lock = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise RefIdentityError(f"{lock_path}: not valid JSON ({e})") from None
-    if not isinstance(lock, dict) or lock.get("format") != LOCK_FORMAT:
-        raise RefIdentityError(f"{lock_path}: not a {LOCK_FORMAT} lock (format={lock.get('format') if isinstance(lock, dict) else None!r})")
-    files = lock.get("files")
-    if not isinstance(files, list) or not all(
-            isinstance(e, dict) and set(e) == {"path", "size", "sha256"} for e in files):
-        raise RefIdentityError(f"{lock_path}: 'files' must be a list of {{path, size, sha256}}")
-    if lock.get("files_digest") != sha256_json(files):
+    if (problem := shape_problem(lock, LOCK_SCHEMA)) is not None:
+        raise RefIdentityError(f"{lock_path}: not a {LOCK_FORMAT} lock ({problem})")
+    files = lock["files"]
+    if lock["files_digest"] != sha256_json(files):
         raise RefIdentityError(f"{lock_path}: files_digest does not match the lock's file list: the lock was "
                                "edited by hand; re-pin it (python -m stages.verify_ref pin)")
-    if lock.get("repo_id") != repo_id:
-        raise RefIdentityError(f"{lock_path}: pinned as repo_id {lock.get('repo_id')!r} but ref.repo_id is "
+    if lock["repo_id"] != repo_id:
+        raise RefIdentityError(f"{lock_path}: pinned as repo_id {lock['repo_id']!r} but ref.repo_id is "
                                f"{repo_id!r}: wrong directory, or set ref.repo_id to match")
     expected: dict[str, Expected] = {}
     problems: list[str] = []
@@ -488,10 +318,6 @@ def _index_problems(root: Path, rel: str, data: bytes, expected: dict[str, Expec
 
 # ========================================================================================== verify
 
-def _identity_digest(identity: dict) -> str:
-    return sha256_json({k: v for k, v in identity.items() if k != "identity_digest"})
-
-
 def verify_reference(ref: dict, workers: int | None = None) -> dict:
     """Check the snapshot described by params `ref`; return the identity record (raises RefIdentityError)."""
     source, repo_id, revision, local_dir = ref["source"], ref["repo_id"], ref.get("revision"), ref["local_dir"]
@@ -562,93 +388,8 @@ def verify_reference(ref: dict, workers: int | None = None) -> dict:
                   for rel in sorted(expected)],
         "extras": extras,
     }
-    identity["identity_digest"] = _identity_digest(identity)
+    identity["identity_digest"] = identity_digest(identity)
     return identity
-
-
-# ============================================================================= load_verified_dir
-
-IDENTITY_KEYS = {"format", "source", "repo_id", "revision", "revision_pinned", "local_dir", "lock", "files",
-                 "extras", "identity_digest"}
-
-
-def read_identity(identity_path: str | os.PathLike) -> dict:
-    """Read ref_identity.json and check its own digest (an edited identity file fails here)."""
-    identity_path = Path(identity_path)
-    try:
-        identity = read_json(identity_path)
-    except FileNotFoundError:
-        raise RefIdentityError(f"{identity_path}: no reference identity; run the verify_ref stage") from None
-    except (ValueError, OSError) as e:
-        raise RefIdentityError(f"{identity_path}: unreadable reference identity ({e})") from None
-    if not isinstance(identity, dict) or set(identity) != IDENTITY_KEYS or identity.get("format") != IDENTITY_FORMAT:
-        raise RefIdentityError(f"{identity_path}: not a {IDENTITY_FORMAT} reference identity")
-    if _identity_digest(identity) != identity["identity_digest"]:
-        raise RefIdentityError(f"{identity_path}: identity_digest does not match the file's content: the "
-                               "identity was edited or swapped; re-run verify_ref")
-    return identity
-
-
-def load_verified_dir(identity_path: str | os.PathLike, expect_digest: str | None = None, deep: bool = False,
-                      workers: int | None = None) -> Path:
-    """Cheap re-check between stages; returns the directory to load the reference from.
-
-    Checks the identity's own digest, every file present with its recorded size, the lock's SHA-256
-    (local) or each file's metadata commit and ETag (hf), and that no file transformers would load has
-    appeared since verification. `expect_digest`: the identity_digest an upstream artifact recorded
-    (e.g. the tokenizer identity in the token manifest), so a valid identity of *another* snapshot
-    swapped in is refused too. `deep=True` also re-hashes every file (full verify cost).
-    """
-    identity_path = Path(identity_path)
-    identity = read_identity(identity_path)
-    if expect_digest is not None and identity["identity_digest"] != expect_digest:
-        raise RefIdentityError(f"{identity_path}: identity_digest {identity['identity_digest']} is not the "
-                               f"{expect_digest} recorded upstream: a different reference was verified since")
-    root = Path(identity["local_dir"])
-    if not root.is_dir():
-        raise RefIdentityError(f"{root}: reference directory named by {identity_path} is missing")
-    problems: list[str] = []
-    listed = {f["path"]: f for f in identity["files"]}
-    for rel, f in listed.items():
-        p = root / rel
-        try:
-            size = p.stat().st_size
-        except OSError:
-            problems.append(f"{p}: missing since verification ({identity_path})")
-            continue
-        if size != f["size"]:
-            problems.append(f"{p}: size {size} differs from {f['size']} recorded in {identity_path}: swapped since "
-                            "verification")
-    if identity["source"] == "local":
-        lock_path = root / LOCK_NAME
-        try:
-            lock_sha = sha256_bytes(lock_path.read_bytes())
-        except OSError:
-            lock_sha = None
-        if lock_sha != identity["lock"]["sha256"]:
-            problems.append(f"{lock_path}: lock changed since verification ({identity_path})")
-    else:
-        for rel, f in listed.items():
-            meta = root / HF_DOWNLOAD_DIR / f"{rel}.metadata"
-            try:
-                commit, etag, _ = parse_hf_metadata(meta.read_text(encoding="utf-8"), str(meta))
-            except (RefIdentityError, OSError, UnicodeDecodeError):
-                commit = etag = None
-            if commit != identity["revision"] or etag != f["hash"]:
-                problems.append(f"{root / rel}: metadata {meta} changed since verification ({identity_path})")
-    known = set(listed) | {x["path"] for x in identity["extras"]}
-    for rel in list_files(root):
-        if rel not in known and is_loaded_by_transformers(rel) and not (
-                identity["source"] == "local" and rel == LOCK_NAME):
-            problems.append(f"{root / rel}: appeared since verification ({identity_path}) and would be loaded")
-    if deep and not problems:
-        hashed = hash_files(root, {rel: f["algo"] for rel, f in listed.items()}, workers)
-        for rel, f in listed.items():
-            got = hashed[rel]
-            if isinstance(got, str) or got[1] != f["hash"]:
-                problems.append(f"{root / rel}: content differs from {identity_path}")
-    _fail(f"reference {root} no longer matches {identity_path}:", problems)
-    return root.resolve()
 
 
 # ============================================================================================= CLI

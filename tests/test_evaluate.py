@@ -10,7 +10,9 @@ import pytest
 import scipy.stats
 import yaml
 
-from stages import evaluate as ev
+from stages import evaluate
+from stages.lib import scoring as ev
+from stages.lib.io import sha256_json
 from synthetic_probe import dpo_rows, make_probe, rm_rows, write_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -172,7 +174,7 @@ def test_wrong_probe_rejected_with_reason(probe, kind, mutate, message):
 
 def test_chosen_rejected_swap_named_when_probe_tokens_given(probe):
     pm, tm, token_rows = probe
-    swapped = {r["pair_id"]: (r["token_hash"], ev.sha256_json([r["rejected_ids"], r["rejected_prompt_len"],
+    swapped = {r["pair_id"]: (r["token_hash"], sha256_json([r["rejected_ids"], r["rejected_prompt_len"],
                                                                r["chosen_ids"], r["chosen_prompt_len"]]))
                for r in token_rows}
     rows = rm_rows(tm, 5, 0.4, False)
@@ -216,7 +218,7 @@ def _run_cli(root: Path, params: dict, out: str, extra_dpo_final: str | None = N
             "--rm-step0", str(r / "train_rm/probe_step0.jsonl"), "--rm-final", str(r / "train_rm/probe_final.jsonl"),
             "--metrics-dpo", str(outs["metrics_dpo"]), "--metrics-rm", str(outs["metrics_rm"]),
             "--bootstrap", str(outs["bootstrap"]), "--log", str(root / out / "evaluate.log")]
-    assert ev.main(argv) == 0
+    assert evaluate.main(argv) == 0
     return outs
 
 

@@ -4,6 +4,7 @@ with the bundle's manifest, whose `dvc metrics diff` shows the changed numbers a
 `dvc plots diff` renders."""
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -174,7 +175,7 @@ def test_bundle_byte_identical_contents_and_no_leaks(tmp_path):
     manifest = json.loads(members["evidence/manifest.json"])
     for name, data in members.items():
         if name != "evidence/manifest.json":
-            assert manifest["members"][name]["sha256"] == rp.hashlib.sha256(data).hexdigest()
+            assert manifest["members"][name]["sha256"] == hashlib.sha256(data).hexdigest()
     assert {f"evidence/artifacts/{p}" for p in PER_PAIR} <= set(members)
     assert members["evidence/params.yaml"] == (repo / "params.yaml").read_bytes()
     assert members["evidence/curves/dpo_train_curves.png"].startswith(b"\x89PNG")
@@ -304,8 +305,8 @@ def _rewrite(bundle: Path, out: Path, change, consistent: bool) -> Path:
         for e in manifest["artifacts"]:
             data = members.get(f"evidence/artifacts/{e['path']}")
             if e["packed"] and data is not None:
-                e.update(md5=rp.hashlib.md5(data).hexdigest(), sha256=rp.hashlib.sha256(data).hexdigest(), size=len(data))
-        manifest["members"] = {n: {"sha256": rp.hashlib.sha256(d).hexdigest(), "size": len(d)}
+                e.update(md5=hashlib.md5(data).hexdigest(), sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        manifest["members"] = {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)}
                                for n, d in sorted(members.items()) if n != "evidence/manifest.json"}
         members["evidence/manifest.json"] = rp._json_bytes(manifest)
     out.write_bytes(rp.deterministic_targz(members))

@@ -18,10 +18,11 @@ import pytest
 
 from conftest import REPO_ROOT
 from stages.lib.io import read_json, read_parquet, sha256_json, write_json, write_parquet
+from stages.lib.contracts import row_content_hash as content_hash, token_hash
 from stages.tokenize import (TRUNCATION_REASONS, BranchRejected, PairTokenizer, TokenizeError, TokenizeLimits,
                              check_pairs, check_probe_complete, check_probe_matches_manifest,
-                             completion_start, content_hash, load_tokenizer, render_plain, run,
-                             split_report, token_hash, tokenize_pairs, tokenizer_identity, write_outputs)
+                             completion_start, load_tokenizer, render_plain, run,
+                             split_report, tokenize_pairs, tokenizer_identity, write_outputs)
 
 LOG = logging.getLogger("test_tokenize")
 UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
@@ -577,7 +578,7 @@ def test_stage_outputs_are_deterministic_and_bind_the_probe(gpt2_tokenizer_dir, 
 
 def test_keep_end_probe_pairs_are_recorded_and_evaluate_checks_the_record(gpt2_tokenizer_dir, gpt2, hh_pairs,
                                                                           tmp_path):
-    from stages.evaluate import ProbeMismatchError, check_manifests
+    from stages.lib.scoring import ProbeMismatchError, check_manifests
 
     limits = TokenizeLimits(max_length=256, max_prompt_length=128, truncation="keep_end")
     pairs = hh_pairs[:400]
@@ -689,11 +690,15 @@ def test_run_refuses_edited_or_mismatched_inputs(gpt2_tokenizer_dir, split_pairs
     edited = [dict(p) for p in probe]
     edited[3]["chosen"] = [{"role": "assistant", "content": "something else"}]
     inputs = write_probe_inputs(tmp_path / "edit", train, edited, manifest=probe_manifest(probe))
-    with pytest.raises(TokenizeError, match=f"(?s)probe.parquet: 1 pair.*row 3: pair_id {edited[3]['pair_id']}"):
+    with pytest.raises(TokenizeError, match=f"(?s)probe.parquet: 1 pair.*row 3 \\(pair {edited[3]['pair_id']}\\): content_hash"):
         run(UNLIMITED, gpt2_tokenizer_dir, log=LOG, **inputs)
     # A probe pair also in train.
     inputs = write_probe_inputs(tmp_path / "leak", train + probe[:1], probe)
     with pytest.raises(TokenizeError, match="probe pairs are also in"):
+        run(UNLIMITED, gpt2_tokenizer_dir, log=LOG, **inputs)
+    # A manifest without freeze_probe's shape (contracts.PROBE_MANIFEST_SCHEMA): refused, naming the file.
+    inputs = write_probe_inputs(tmp_path / "shape", train, probe, manifest={"size": 3, "pair_ids": "not a list"})
+    with pytest.raises(TokenizeError, match=r"probe_manifest.json: not a valid probe manifest \("):
         run(UNLIMITED, gpt2_tokenizer_dir, log=LOG, **inputs)
 
 

@@ -22,7 +22,9 @@ import pytest
 import yaml
 
 from stages import make_tiny_ref, verify_ref
-from stages.verify_ref import LOCK_NAME, RefIdentityError, load_verified_dir, verify_reference
+from stages.lib.io import GIT_SHA1, MD5, SHA256, hash_bytes, hash_file, sha256_file
+from stages.lib.reference import LOCK_NAME, RefIdentityError, hash_files, identity_digest, load_verified_dir
+from stages.verify_ref import verify_reference
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 REV = hashlib.sha1(b"pinned commit").hexdigest()
@@ -144,13 +146,14 @@ def test_hashes_match_git_hash_object_and_sha256_streamed(tmp_path):
     for name, data in [("empty", b""), ("text", b"hello\n"), ("bin", bytes(rng.randrange(256) for _ in range(10_007)))]:
         p = tmp_path / name
         p.write_bytes(data)
-        assert verify_ref.git_blob_sha1(data) == git_hash_object(p)
-        # chunk=7 forces many streamed updates, including a short last one
-        assert verify_ref.hash_file(p, verify_ref.GIT_SHA1, chunk=7) == (len(data), git_hash_object(p))
-        assert verify_ref.hash_file(p, verify_ref.SHA256, chunk=7) == (len(data), hashlib.sha256(data).hexdigest())
-    jobs = {n: verify_ref.GIT_SHA1 for n in ("empty", "text", "bin")}
-    assert verify_ref.hash_files(tmp_path, jobs, workers=1) == verify_ref.hash_files(tmp_path, jobs, workers=3)
-
+        assert hash_bytes(data, GIT_SHA1) == git_hash_object(p)
+        # chunk=7 forces many streamed updates, including a short last one; one read serves every digest
+        assert hash_file(p, (GIT_SHA1, SHA256, MD5), chunk=7) == (
+            len(data), {GIT_SHA1: git_hash_object(p), SHA256: hashlib.sha256(data).hexdigest(),
+                        MD5: hashlib.md5(data).hexdigest()})
+        assert sha256_file(p) == hashlib.sha256(data).hexdigest()
+    jobs = {n: GIT_SHA1 for n in ("empty", "text", "bin")}
+    assert hash_files(tmp_path, jobs, workers=1) == hash_files(tmp_path, jobs, workers=3)
 
 # ================================================================================ hf: passing cases
 
@@ -168,7 +171,7 @@ def test_hf_snapshot_verifies_with_lfs_and_git_etags(snap, tmp_path):
     assert files["config.json"]["hash"] == git_hash_object(snap / "config.json")
     assert files["config.json"]["size"] == (snap / "config.json").stat().st_size
     assert identity["revision"] == REV and identity["revision_pinned"] is True and identity["extras"] == []
-    assert identity["identity_digest"] == verify_ref._identity_digest(identity)
+    assert identity["identity_digest"] == identity_digest(identity)
     assert verify_reference(hf_ref(snap)) == identity  # deterministic
 
 
@@ -441,6 +444,23 @@ def _write_identity(ref: dict, path: Path) -> Path:
 
     write_json(path, verify_reference(ref))
     return path
+
+
+def test_identity_and_lock_shapes_are_checked_where_read(local_dir, tmp_path):
+    verify_ref.pin(local_dir, "embedded/tiny-qwen2")
+    ident = _write_identity(local_ref(local_dir), tmp_path / "ref_identity.json")
+    obj = json.loads(ident.read_text())
+    obj["files"][0]["size"] = "big"
+    (tmp_path / "bad.json").write_text(json.dumps(obj))
+    with pytest.raises(RefIdentityError, match=r"bad\.json: not a prefpipe-ref-identity/1 reference identity "
+                                               r"\(files/0/size: 'big' is not of type 'integer'\)"):
+        load_verified_dir(tmp_path / "bad.json")
+    lock = json.loads((local_dir / LOCK_NAME).read_text())
+    del lock["files"][0]["sha256"]
+    (local_dir / LOCK_NAME).write_text(json.dumps(lock))
+    with pytest.raises(RefIdentityError, match=r"prefpipe\.lock\.json: not a prefpipe-ref-lock/1 lock \(files/0: "
+                                               r"'sha256' is a required property\)"):
+        verify_reference(local_ref(local_dir))
 
 
 def test_load_verified_dir_catches_swapped_file(local_dir, tmp_path):

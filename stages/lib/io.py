@@ -20,7 +20,12 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-HASH_CHUNK = 1 << 20
+HASH_CHUNK = 4 << 20  # per-call read buffer: memory stays bounded however large the file
+
+# Digest names hash_file / hash_bytes accept (hashlib names, plus git's blob hash).
+SHA256 = "sha256"
+MD5 = "md5"              # DVC's file hash (dvc.lock), not a security hash
+GIT_SHA1 = "git-sha1"    # git blob SHA-1, sha1(b"blob %d\0" % size + data): `git hash-object`, the hub's non-LFS ETag
 
 
 def canonical_json(obj: Any) -> str:
@@ -29,7 +34,7 @@ def canonical_json(obj: Any) -> str:
 
 
 def sha256_bytes(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
+    return hash_bytes(data, SHA256)
 
 
 def sha256_text(text: str) -> str:
@@ -40,12 +45,50 @@ def sha256_json(obj: Any) -> str:
     return sha256_text(canonical_json(obj))
 
 
-def sha256_file(path: str | os.PathLike) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(HASH_CHUNK):
-            h.update(chunk)
+def _hasher(algo: str, size: int):
+    if algo == GIT_SHA1:
+        return hashlib.sha1(b"blob %d\0" % size)
+    if algo == MD5:
+        return hashlib.md5(usedforsecurity=False)
+    if algo == SHA256:
+        return hashlib.sha256()
+    raise ValueError(f"unknown digest {algo!r} (expected {SHA256}, {MD5} or {GIT_SHA1})")
+
+
+def hash_bytes(data: bytes, algo: str = SHA256) -> str:
+    h = _hasher(algo, len(data))
+    h.update(data)
     return h.hexdigest()
+
+
+def hash_file(path: str | os.PathLike, algos: tuple[str, ...] = (SHA256,),
+              chunk: int = HASH_CHUNK) -> tuple[int, dict[str, str]]:
+    """The one file hasher: stream `path` once through every digest in `algos`, in bounded memory.
+    Returns (size, {algo: hex digest}).
+
+    hashlib releases the GIL on large updates, so several calls run truly in parallel in threads.
+    A file that changes size while being read raises OSError (git's prefix committed to the size,
+    and a moving file proves nothing).
+    """
+    with open(path, "rb", buffering=0) as f:
+        size = os.fstat(f.fileno()).st_size
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        hashers = [_hasher(a, size) for a in algos]
+        buf = bytearray(min(chunk, max(size, 1)))
+        view = memoryview(buf)
+        total = 0
+        while n := f.readinto(buf):
+            for h in hashers:
+                h.update(view[:n])
+            total += n
+    if total != size:
+        raise OSError(f"changed size while being hashed ({size} -> {total} bytes)")
+    return size, {a: h.hexdigest() for a, h in zip(algos, hashers)}
+
+
+def sha256_file(path: str | os.PathLike) -> str:
+    return hash_file(path)[1][SHA256]
 
 
 @contextmanager

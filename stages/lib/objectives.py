@@ -29,6 +29,7 @@ import pyarrow.compute as pac
 import torch
 import torch.nn.functional as F
 
+from stages.lib.contracts import correct_label
 from stages.lib.io import sha256_bytes, sha256_json
 from stages.lib.modeling import SequenceLogProbs, SequenceRewards, load_causal_lm, load_reward_model
 from stages.lib.packing import PackedBatch, TokenPairs
@@ -110,10 +111,6 @@ def reward_pair_losses(sc: torch.Tensor, sr: torch.Tensor, margin: torch.Tensor 
 # Where a reward model reads its score (TokenPairs.with_score_positions): transformers' sequence-classification
 # pooling for right-padded input, `(arange(T) * (input_ids != pad_token_id)).argmax(-1)`.
 SCORE_POSITION = "last_token_not_pad"
-
-
-def correct_label(margin: float) -> float:
-    return 1.0 if margin > 0 else 0.0 if margin < 0 else 0.5
 
 
 # ----------------------------------------------------------------------------------------------
@@ -247,7 +244,7 @@ class DPOObjective:
                          "policy_chosen_logp": pc, "policy_rejected_logp": pr,
                          "ref_chosen_logp": rc, "ref_rejected_logp": rr,
                          "chosen_reward": chosen_reward, "rejected_reward": rejected_reward,
-                         "margin": margin, "correct": correct_label(margin)})
+                         "margin": margin, "correct": correct_label(chosen_reward, rejected_reward)})
         return rows
 
 
@@ -316,5 +313,5 @@ class RewardObjective:
             sc, sr = float(outputs[i, 0]), float(outputs[i, 1])
             rows.append({"pair_id": pid, "index": i, "token_hash": probe.token_hashes[i],
                          "chosen_score": sc, "rejected_score": sr, "margin": sc - sr,
-                         "correct": correct_label(sc - sr)})
+                         "correct": correct_label(sc, sr)})
         return rows

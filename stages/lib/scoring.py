@@ -1,0 +1,301 @@
+"""Scoring the frozen probe: prove per-pair rows are the frozen probe, score them, paired bootstrap.
+
+The evaluate stage (stages/evaluate.py) runs this on the training stages' probe files; the report stage's
+`verify` recomputes a bundle's metrics with the same functions, so both live here in lib (stages import
+lib only). stages/evaluate.py's docstring describes the checks, the scores and the bootstrap.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from stages.lib.contracts import correct_label, probe_digest
+from stages.lib.io import sha256_bytes
+
+
+class ProbeMismatchError(ValueError):
+    """The per-pair outputs are not the frozen probe; the message says which check failed."""
+
+
+class PerPairFileError(ValueError):
+    """A per-pair JSONL row is malformed or internally inconsistent (names file and row)."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Proving the inputs are the frozen probe
+# --------------------------------------------------------------------------------------------------
+
+def check_manifests(probe_manifest: dict, token_manifest: dict, probe_size: int) -> None:
+    """The probe manifest, the tokenize record and params agree on one probe of `probe_size` pairs."""
+    ids = probe_manifest.get("pair_ids")
+    hashes = probe_manifest.get("content_hashes")
+    if not isinstance(ids, list) or not isinstance(hashes, list) or len(ids) != len(hashes):
+        raise ProbeMismatchError("probe manifest: pair_ids and content_hashes must be lists of equal length")
+    if len(ids) != probe_size or probe_manifest.get("size") != probe_size:
+        raise ProbeMismatchError(
+            f"wrong count: probe manifest holds {len(ids)} pairs (size field {probe_manifest.get('size')}), "
+            f"params probe.size is {probe_size}")
+    if len(set(ids)) != len(ids):
+        raise ProbeMismatchError("probe manifest: duplicate pair_ids")
+    digest = probe_digest(ids, hashes)
+    if probe_manifest.get("probe_digest") != digest:
+        raise ProbeMismatchError(
+            f"probe manifest: probe_digest {probe_manifest.get('probe_digest')} does not match its pair_ids/"
+            f"content_hashes ({digest}); the manifest was edited")
+    if token_manifest.get("probe_digest") != digest:
+        raise ProbeMismatchError(
+            f"tokenize record was made from another probe: probe_token_manifest probe_digest "
+            f"{token_manifest.get('probe_digest')} != probe manifest {digest}")
+    t_ids, t_hashes = token_manifest.get("pair_ids"), token_manifest.get("token_hashes")
+    if not isinstance(t_ids, list) or not isinstance(t_hashes, list) or len(t_ids) != len(t_hashes):
+        raise ProbeMismatchError("probe token manifest: pair_ids and token_hashes must be lists of equal length")
+    if t_ids != ids:
+        raise ProbeMismatchError(
+            f"probe token manifest lists {len(t_ids)} pairs that differ from the probe manifest's {len(ids)} "
+            f"(order or membership); tokenize did not tokenize the frozen probe")
+    check_truncation_record(token_manifest)
+
+
+def check_truncation_record(token_manifest: dict) -> list[dict]:
+    """The probe token manifest's `truncated` list (tokenize's record of every truncated probe pair) names
+    probe pairs at their positions, in probe order, each with the token hash that is scored; a record
+    made under `truncation: reject` lists none. A record without the key (older tokenize) lists none."""
+    truncated = token_manifest.get("truncated", [])
+    if not isinstance(truncated, list):
+        raise ProbeMismatchError("probe token manifest: truncated must be a list")
+    ids, hashes = token_manifest["pair_ids"], token_manifest["token_hashes"]
+    policy = (token_manifest.get("limits") or {}).get("truncation")
+    if truncated and policy == "reject":
+        raise ProbeMismatchError(f"probe token manifest: {len(truncated)} truncated pairs recorded under "
+                                 f"truncation: reject")
+    last = -1
+    for k, t in enumerate(truncated):
+        i = t.get("index") if isinstance(t, dict) else None
+        if not isinstance(i, int) or not 0 <= i < len(ids) or t.get("pair_id") != ids[i]:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] names pair "
+                                     f"{t.get('pair_id') if isinstance(t, dict) else t!r} at index {i!r}, "
+                                     f"which is not that probe position")
+        if i <= last:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] (index {i}) is out of probe order "
+                                     f"or repeated")
+        last = i
+        if t.get("token_hash") != hashes[i]:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] records token hash "
+                                     f"{t.get('token_hash')} for pair {ids[i]}, but the probe's token hash is "
+                                     f"{hashes[i]}: the record is not of the tokens that are scored")
+        if not isinstance(t.get("reason"), str) or not t["reason"]:
+            raise ProbeMismatchError(f"probe token manifest: truncated[{k}] (pair {ids[i]}) has no reason")
+    return truncated
+
+
+def check_probe_rows(rows: list[dict], probe_manifest: dict, token_manifest: dict, probe_size: int,
+                     source: str, swapped_hashes: dict[str, tuple[str, str]] | None = None) -> None:
+    """Rows are the frozen probe: count, membership, order, index and token hash, in that order of checks."""
+    ids = probe_manifest["pair_ids"]
+    token_hashes = token_manifest["token_hashes"]
+    if len(rows) != probe_size:
+        raise ProbeMismatchError(
+            f"{source}: wrong count: {len(rows)} pairs, the frozen probe (probe.size) has {probe_size}")
+    for i, row in enumerate(rows):
+        for key in ("pair_id", "index", "token_hash"):
+            if key not in row:
+                raise PerPairFileError(f"{source} row {i}: missing field {key!r}")
+    row_ids = [r["pair_id"] for r in rows]
+    known = set(ids)
+    for i, pid in enumerate(row_ids):
+        if pid not in known:
+            raise ProbeMismatchError(
+                f"{source} row {i}: swapped pair: pair_id {pid} is not in the frozen probe "
+                f"(manifest expects {ids[i]} here)")
+    if len(set(row_ids)) != len(row_ids):
+        dup = next(p for p in row_ids if row_ids.count(p) > 1)
+        raise ProbeMismatchError(f"{source}: pair_id {dup} appears more than once (a probe pair is missing)")
+    if row_ids != ids:
+        i = next(k for k, (a, b) in enumerate(zip(row_ids, ids)) if a != b)
+        raise ProbeMismatchError(
+            f"{source} row {i}: reordered: pair_id {row_ids[i]} where the frozen probe has {ids[i]} "
+            f"(same pairs, different order; manifest position of {row_ids[i]} is {ids.index(row_ids[i])})")
+    for i, row in enumerate(rows):
+        if row["index"] != i:
+            raise ProbeMismatchError(f"{source} row {i}: index field is {row['index']!r}, expected {i}")
+        if row["token_hash"] != token_hashes[i]:
+            why = "it was tokenized or truncated differently from the tokenize record"
+            if swapped_hashes and row["pair_id"] in swapped_hashes:
+                recorded, swapped = swapped_hashes[row["pair_id"]]
+                if row["token_hash"] == swapped:
+                    why = "its chosen and rejected were swapped"
+            raise ProbeMismatchError(
+                f"{source} row {i}: token hash differs for pair {row['pair_id']}: file {row['token_hash']}, "
+                f"tokenize record {token_hashes[i]}; {why}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Scores -> correct, accuracy, margins
+# --------------------------------------------------------------------------------------------------
+
+def _num(row: dict, key: str, source: str, i: int) -> float:
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise PerPairFileError(f"{source} row {i}: {key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _close(a: float, b: float) -> bool:
+    # The trainer may compute rewards on device in fp32; a wrong beta or a stale reference is far off.
+    return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
+
+
+def score_dpo_rows(rows: list[dict], beta: float, reference_free: bool, source: str) -> dict[str, np.ndarray]:
+    """Recompute rewards, margin and correct from the log-probs; refuse a file that disagrees."""
+    correct, margin, logp_correct = [], [], []
+    for i, r in enumerate(rows):
+        pc, pr = _num(r, "policy_chosen_logp", source, i), _num(r, "policy_rejected_logp", source, i)
+        if reference_free and r.get("ref_chosen_logp") is None and r.get("ref_rejected_logp") is None:
+            rc = rr = 0.0
+        else:
+            rc, rr = _num(r, "ref_chosen_logp", source, i), _num(r, "ref_rejected_logp", source, i)
+        if reference_free and (rc != 0.0 or rr != 0.0):
+            raise PerPairFileError(f"{source} row {i}: dpo_ref_free but reference log-probs are {rc}, {rr} (must be 0)")
+        cr, rj = _num(r, "chosen_reward", source, i), _num(r, "rejected_reward", source, i)
+        m = _num(r, "margin", source, i)
+        if not _close(cr, beta * (pc - rc)) or not _close(rj, beta * (pr - rr)):
+            raise PerPairFileError(
+                f"{source} row {i} (pair {r['pair_id']}): rewards {cr}, {rj} are not beta*(policy-ref) with "
+                f"beta={beta} ({beta * (pc - rc)}, {beta * (pr - rr)})")
+        if not _close(m, cr - rj):
+            raise PerPairFileError(f"{source} row {i} (pair {r['pair_id']}): margin {m} != chosen_reward - rejected_reward {cr - rj}")
+        c = correct_label(cr, rj)
+        if r.get("correct") != c:
+            raise PerPairFileError(
+                f"{source} row {i} (pair {r['pair_id']}): correct is {r.get('correct')!r} but the rewards "
+                f"{cr} vs {rj} give {c}")
+        correct.append(c)
+        margin.append(cr - rj)
+        logp_correct.append(correct_label(pc, pr))
+    return {"correct": np.asarray(correct, np.float64), "margin": np.asarray(margin, np.float64),
+            "logp_correct": np.asarray(logp_correct, np.float64)}
+
+
+def score_rm_rows(rows: list[dict], source: str) -> dict[str, np.ndarray]:
+    correct, margin = [], []
+    for i, r in enumerate(rows):
+        cs, rs = _num(r, "chosen_score", source, i), _num(r, "rejected_score", source, i)
+        m = _num(r, "margin", source, i)
+        if not _close(m, cs - rs):
+            raise PerPairFileError(f"{source} row {i} (pair {r['pair_id']}): margin {m} != chosen_score - rejected_score {cs - rs}")
+        c = correct_label(cs, rs)
+        if r.get("correct") != c:
+            raise PerPairFileError(
+                f"{source} row {i} (pair {r['pair_id']}): correct is {r.get('correct')!r} but the scores "
+                f"{cs} vs {rs} give {c}")
+        correct.append(c)
+        margin.append(cs - rs)
+    return {"correct": np.asarray(correct, np.float64), "margin": np.asarray(margin, np.float64)}
+
+
+def point_metrics(scored: dict[str, np.ndarray]) -> dict[str, Any]:
+    out = {"accuracy": float(scored["correct"].mean()),
+           "ties": int((scored["correct"] == 0.5).sum()),
+           "mean_margin": float(scored["margin"].mean())}
+    if "logp_correct" in scored:
+        out["logp_accuracy"] = float(scored["logp_correct"].mean())
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Paired bootstrap (matches scipy.stats.bootstrap(paired=True, method='percentile'))
+# --------------------------------------------------------------------------------------------------
+
+def bootstrap_indices(n: int, replicates: int, seed: int) -> np.ndarray:
+    """The (replicates, n) int64 index matrix: one resample of pair indices per replicate, drawn in
+    one call exactly as scipy.stats.bootstrap does (rng_integers(rng, 0, n, (n_resamples, n)))."""
+    rng = np.random.Generator(np.random.PCG64(seed))
+    return rng.integers(0, n, size=(replicates, n), dtype=np.int64)
+
+
+def index_matrix_digest(idx: np.ndarray) -> str:
+    return sha256_bytes(np.ascontiguousarray(idx, dtype="<i8").tobytes())
+
+
+def _array_digest(a: np.ndarray) -> str:
+    return sha256_bytes(np.ascontiguousarray(a, dtype="<f8").tobytes())
+
+
+def percentile_interval(dist: np.ndarray, confidence: float) -> tuple[float, float]:
+    alpha = (1 - confidence) / 2
+    lo, hi = np.quantile(dist, [alpha, 1 - alpha], method="linear")
+    return float(lo), float(hi)
+
+
+def _describe(dist: np.ndarray, point: float, confidence: float) -> dict[str, Any]:
+    lo, hi = percentile_interval(dist, confidence)
+    qs = [0.005, 0.025, 0.05, 0.5, 0.95, 0.975, 0.995]
+    return {"point": point, "ci_low": lo, "ci_high": hi,
+            "standard_error": float(np.std(dist, ddof=1)),
+            "quantiles": {f"{q:g}": float(v) for q, v in zip(qs, np.quantile(dist, qs))},
+            "distribution_sha256": _array_digest(dist)}
+
+
+def paired_bootstrap(step0: dict[str, np.ndarray], final: dict[str, np.ndarray], replicates: int, seed: int,
+                     confidence: float) -> dict[str, Any]:
+    """Bootstrap distributions of final accuracy, step-0 accuracy, improvement (final - step0) and the
+    same for mean margin, all from ONE index matrix applied to step 0 and final alike."""
+    n = len(final["correct"])
+    if len(step0["correct"]) != n:
+        raise ValueError("paired bootstrap needs step 0 and final on the same pairs")
+    idx = bootstrap_indices(n, replicates, seed)
+    out: dict[str, Any] = {
+        "n_pairs": n,
+        "index_matrix": {"shape": [replicates, n], "dtype": "int64 little-endian, C order",
+                         "sha256": index_matrix_digest(idx)},
+    }
+    for name, key in (("accuracy", "correct"), ("mean_margin", "margin")):
+        s0 = np.asarray(step0[key], np.float64)
+        f = np.asarray(final[key], np.float64)
+        s0_b = s0[idx].mean(axis=-1)
+        f_b = f[idx].mean(axis=-1)
+        out[name] = {
+            "step0": _describe(s0_b, float(s0.mean()), confidence),
+            "final": _describe(f_b, float(f.mean()), confidence),
+            "improvement": _describe(f_b - s0_b, float(f.mean() - s0.mean()), confidence),
+        }
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# One model: validate, score, bootstrap -> (metrics, summary)
+# --------------------------------------------------------------------------------------------------
+
+def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], probe_manifest: dict,
+                   token_manifest: dict, params: dict, step0_source: str, final_source: str,
+                   swapped_hashes: dict | None = None) -> tuple[dict, dict]:
+    size = params["probe"]["size"]
+    for rows, src in ((step0_rows, step0_source), (final_rows, final_source)):
+        check_probe_rows(rows, probe_manifest, token_manifest, size, src, swapped_hashes)
+    if kind == "dpo":
+        beta = float(params["dpo"]["beta"])
+        ref_free = params["dpo"]["objective"] == "dpo_ref_free"
+        s0 = score_dpo_rows(step0_rows, beta, ref_free, step0_source)
+        fi = score_dpo_rows(final_rows, beta, ref_free, final_source)
+    else:
+        s0 = score_rm_rows(step0_rows, step0_source)
+        fi = score_rm_rows(final_rows, final_source)
+    ev = params["evaluate"]
+    boot = paired_bootstrap(s0, fi, ev["bootstrap_replicates"], ev["seed"], ev["confidence"])
+    p0, pf = point_metrics(s0), point_metrics(fi)
+    acc = boot["accuracy"]
+    metrics = {
+        "n_pairs": len(final_rows),
+        "confidence": ev["confidence"],
+        "step0": p0,
+        "final": {**pf, "accuracy_ci_low": acc["final"]["ci_low"], "accuracy_ci_high": acc["final"]["ci_high"]},
+        "improvement": {"accuracy": acc["improvement"]["point"],
+                        "accuracy_ci_low": acc["improvement"]["ci_low"],
+                        "accuracy_ci_high": acc["improvement"]["ci_high"],
+                        "mean_margin": boot["mean_margin"]["improvement"]["point"]},
+    }
+    summary = {"kind": kind, "step0": p0, "final": pf, "bootstrap": boot,
+               "training_helped": acc["improvement"]["ci_low"] > 0}
+    return metrics, summary
