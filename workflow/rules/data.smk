@@ -10,7 +10,7 @@ rule normalize:
     input:
         environment=ENV_RECORD,
         sources=[f for s in config["data"]["sources"] for f in source_paths(s["path"])],
-        code=[py("normalize"), *LIB],
+        code=code_deps("stages.normalize"),
     output:
         pairs=f"{RESULTS}/normalize/pairs.parquet",
         rejections=f"{RESULTS}/normalize/rejections.parquet",
@@ -32,7 +32,7 @@ rule freeze_probe:
     input:
         environment=ENV_RECORD,
         pairs=rules.normalize.output.pairs,
-        code=[py("freeze_probe"), py("normalize"), *LIB],   # it hashes pairs with normalize.content_hash
+        code=code_deps("stages.freeze_probe"),
     output:
         train=f"{RESULTS}/probe/train.parquet",
         probe=f"{RESULTS}/probe/probe.parquet",

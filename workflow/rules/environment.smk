@@ -7,7 +7,7 @@ from stages.lib.environment import installed_fingerprint
 rule environment:
     input:
         lock=LOCK,
-        code=[py("environment"), "stages/lib/environment.py", *LIB],
+        code=code_deps("stages.environment"),
     output:
         record=ENV_RECORD,
     params:

@@ -14,7 +14,7 @@ rule evaluate:
         dpo_final=DPO_OUT.probe_final,
         rm_step0=RM_OUT.probe_step0,
         rm_final=RM_OUT.probe_final,
-        code=[py("evaluate"), *LIB],
+        code=code_deps("stages.evaluate"),
     output:
         metrics_dpo="metrics/dpo.json",
         metrics_rm="metrics/rm.json",
@@ -63,8 +63,8 @@ rule report:
         dpo_run_info=DPO_OUT.run_info,
         rm_run_info=RM_OUT.run_info,
         probe_manifests=[rules.freeze_probe.output.manifest, rules.tokenize.output.probe_token_manifest],
-        # report's `verify` recomputes metrics with evaluate's code and the environment with lib's.
-        code=[py("report"), py("evaluate"), "stages/lib/environment.py", *LIB],
+        # report's `verify` recomputes metrics with lib/scoring.py (evaluate's code) and the environment with lib's.
+        code=code_deps("stages.report"),
     output:
         bundle=f"{RESULTS}/report/evidence.tar.gz",
         summary=f"{RESULTS}/report/summary.md",

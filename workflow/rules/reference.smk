@@ -7,7 +7,7 @@ rule verify_ref:
         ref_dir=config["ref"]["local_dir"],
         # A directory input only changes mtime when entries come or go; the lock changes with any file.
         lock=[f"{config['ref']['local_dir']}/prefpipe.lock.json"] if config["ref"]["source"] == "local" else [],
-        code=[py("verify_ref"), *LIB],
+        code=code_deps("stages.verify_ref"),
     output:
         identity=f"{RESULTS}/ref/ref_identity.json",
     params:
@@ -29,7 +29,7 @@ rule tokenize:
         train=rules.freeze_probe.output.train,
         probe=rules.freeze_probe.output.probe,
         manifest=rules.freeze_probe.output.manifest,
-        code=[py("tokenize"), py("verify_ref"), py("normalize"), py("freeze_probe"), *LIB],
+        code=code_deps("stages.tokenize"),
     output:
         train_tokens=f"{RESULTS}/tokens/train_tokens.parquet",
         probe_tokens=f"{RESULTS}/tokens/probe_tokens.parquet",

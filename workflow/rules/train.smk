@@ -9,9 +9,6 @@ import os
 
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
-ENGINE = ["stages/lib/packing.py", "stages/lib/modeling.py", "stages/lib/kernels.py", "stages/lib/objectives.py",
-          "stages/lib/trainer.py", "stages/lib/graphs.py", "stages/lib/flat_adamw.py", "stages/lib/step_profiler.py",
-          "stages/lib/checkpoint.py", "stages/lib/environment.py", py("verify_ref"), *LIB]
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
 USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
@@ -23,7 +20,7 @@ rule ref_logps:
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=rules.verify_ref.output.identity,
-        code=[py("ref_logps"), *ENGINE],
+        code=code_deps("stages.ref_logps"),
     output:
         ref_logps=f"{RESULTS}/ref_logps/ref_logps.parquet",
     params:
@@ -61,7 +58,7 @@ rule train_dpo:
         probe_tokens=TOKENS.probe_tokens,
         identity=rules.verify_ref.output.identity,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
-        code=[py("train_dpo"), *ENGINE],
+        code=code_deps("stages.train_dpo"),
     output:
         model=directory(f"{RESULTS}/train_dpo/model"),
         plots_train_log=f"{RESULTS}/train_dpo/train_log.csv",
@@ -97,7 +94,7 @@ rule train_rm:
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=rules.verify_ref.output.identity,
-        code=[py("train_rm"), *ENGINE],
+        code=code_deps("stages.train_rm"),
     output:
         model=directory(f"{RESULTS}/train_rm/model"),
         plots_train_log=f"{RESULTS}/train_rm/train_log.csv",
