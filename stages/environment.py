@@ -15,16 +15,17 @@ record then names every difference, so the evidence says exactly what ran.
 """
 from __future__ import annotations
 
-import argparse
+import logging
 import os
 import re
 import sys
 from importlib import metadata
 from pathlib import Path
 
+from stages.lib.cli import stage_main
 from stages.lib.environment import environment_record
-from stages.lib.io import setup_logging, write_json
-from stages.lib.params import load_params
+from stages.lib.io import write_json
+from stages.lib.params import ParamsError, load_params
 
 ALLOW_UNLOCKED = "PREFPIPE_ALLOW_UNLOCKED"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
@@ -64,24 +65,25 @@ def build_record(params: dict, lock_path: str | os.PathLike) -> dict:
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.environment", description=__doc__.split("\n")[0])
-    ap.add_argument("--params", default="params.yaml")
+class LockMismatch(ValueError):
+    """Installed packages differ from the lock (and PREFPIPE_ALLOW_UNLOCKED is not set)."""
+
+
+def _arguments(ap) -> None:
     ap.add_argument("--lock", required=True, help="the pip lock the environment is installed from")
     ap.add_argument("--out", required=True, help="environment.json to write")
-    ap.add_argument("--log", default=None)
-    args = ap.parse_args(argv)
-    log = setup_logging(args.log, "environment")
 
+
+def _run(args) -> int:
+    log = logging.getLogger("environment")
     record = build_record(load_params(args.params), args.lock)
     diffs = record["lock"]["differences"]
     if diffs:
         listed = ", ".join(f"{d['package']} {d['installed'] or 'missing'} (lock: {d['locked']})" for d in diffs)
         if os.environ.get(ALLOW_UNLOCKED) != "1":
-            log.error("%s: %d installed package(s) differ from the lock: %s. Install from the lock "
-                      "(pip install --require-hashes -r %s), or set %s=1 to record and run this environment",
-                      args.lock, len(diffs), listed, args.lock, ALLOW_UNLOCKED)
-            return 1
+            raise LockMismatch(f"{args.lock}: {len(diffs)} installed package(s) differ from the lock: {listed}. "
+                               f"Install from the lock (pip install --require-hashes -r {args.lock}), or set "
+                               f"{ALLOW_UNLOCKED}=1 to record and run this environment")
         log.warning("%s: running outside the lock (%s=1): %s", args.lock, ALLOW_UNLOCKED, listed)
     write_json(args.out, record)
     cpu = record["cpu_numerics"]
@@ -89,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
              record["python"], record["packages"]["torch"], cpu["aten_capability"], cpu["blas"], cpu.get("mkl_cbwr"),
              cpu["portable"], record["gpu_numerics"], "matches" if not diffs else f"{len(diffs)} difference(s)")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main(argv, "environment", __doc__.split("\n")[0], add_arguments=_arguments, run=_run,
+                      input_errors=(LockMismatch, ParamsError))
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ same replicates.
 """
 from __future__ import annotations
 
-import argparse
 import logging
 from pathlib import Path
 
@@ -38,8 +37,9 @@ import numpy as np
 
 from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCHEMA, ContractError, check_shape,
                                   token_hash)
-from stages.lib.io import read_json, read_jsonl, read_parquet, setup_logging, sha256_file, write_json
-from stages.lib.params import load_params
+from stages.lib.cli import stage_main
+from stages.lib.io import read_json, read_jsonl, read_parquet, sha256_file, write_json
+from stages.lib.params import ParamsError, load_params
 from stages.lib.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
 
 
@@ -62,15 +62,6 @@ def _read_manifest(path: str, schema: dict, what: str) -> dict:
 # CLI
 # --------------------------------------------------------------------------------------------------
 
-def main(argv: list[str] | None = None) -> int:
-    try:
-        return _run(argv)
-    except (ProbeMismatchError, PerPairFileError) as e:
-        # One line naming the file/row and the failed check, not a traceback; nothing was written.
-        logging.getLogger("evaluate").error("refused: %s", e)
-        raise SystemExit(f"evaluate: refused: {e}") from None
-
-
 def _truncation_counts(token_manifest: dict) -> dict:
     by_reason: dict[str, int] = {}
     for t in token_manifest.get("truncated", []):
@@ -78,9 +69,7 @@ def _truncation_counts(token_manifest: dict) -> dict:
     return {"pairs": sum(by_reason.values()), "by_reason": dict(sorted(by_reason.items()))}
 
 
-def _run(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", required=True)
+def _arguments(ap) -> None:
     ap.add_argument("--probe-manifest", required=True)
     ap.add_argument("--probe-token-manifest", required=True)
     ap.add_argument("--probe-tokens", help="optional probe_tokens.parquet: names a chosen/rejected swap precisely")
@@ -91,10 +80,10 @@ def _run(argv: list[str] | None) -> int:
     ap.add_argument("--metrics-dpo", required=True)
     ap.add_argument("--metrics-rm", required=True)
     ap.add_argument("--bootstrap", required=True, help="full bootstrap summary (artifact)")
-    ap.add_argument("--log")
-    args = ap.parse_args(argv)
-    log = setup_logging(args.log, "evaluate")
 
+
+def _run(args) -> int:
+    log = logging.getLogger("evaluate")
     params = load_params(args.params)
     probe_manifest = _read_manifest(args.probe_manifest, PROBE_MANIFEST_SCHEMA, "probe manifest")
     token_manifest = _read_manifest(args.probe_token_manifest, PROBE_TOKEN_MANIFEST_SCHEMA, "probe token manifest")
@@ -143,6 +132,12 @@ def _run(argv: list[str] | None) -> int:
     log.info("bootstrap: %d replicates, seed %d, index matrix sha256 %s", ev["bootstrap_replicates"], ev["seed"],
              models["dpo"][1]["bootstrap"]["index_matrix"]["sha256"])
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    # A refusal is one line naming the file/row and the failed check, not a traceback; nothing was written.
+    return stage_main(argv, "evaluate", __doc__, add_arguments=_arguments, run=_run,
+                      input_errors=(ProbeMismatchError, PerPairFileError, ParamsError))
 
 
 if __name__ == "__main__":

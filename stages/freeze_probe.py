@@ -19,15 +19,16 @@ stages check.
 """
 from __future__ import annotations
 
-import argparse
+import logging
 import sys
 from dataclasses import dataclass
 
 import pyarrow as pa
 
+from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIR_COLUMNS, missing_pair_columns, pair_problems, probe_digest
-from stages.lib.io import canonical_json, read_parquet, setup_logging, sha256_text, write_json, write_parquet
-from stages.lib.params import load_params
+from stages.lib.io import canonical_json, read_parquet, sha256_text, write_json, write_parquet
+from stages.lib.params import ParamsError, load_params
 
 SELECTION = ("ascending sha256(f'{seed}:{pair_id}'), at most one pair per normalized prompt "
              "(canonical JSON of messages, whitespace-collapsed content)")
@@ -129,24 +130,18 @@ def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs") ->
 # ==================================================================================================
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--params", default="params.yaml")
+def _arguments(ap) -> None:
     ap.add_argument("--pairs", required=True, help="normalize's pairs.parquet")
     ap.add_argument("--train", required=True, help="train.parquet to write")
     ap.add_argument("--probe", required=True, help="probe.parquet to write")
     ap.add_argument("--manifest", required=True, help="probe_manifest.json to write")
-    ap.add_argument("--log", default=None)
-    args = ap.parse_args(argv)
-    log = setup_logging(args.log, "freeze_probe")
 
+
+def _run(args) -> int:
+    log = logging.getLogger("freeze_probe")
     cfg = load_params(args.params)["probe"]
     pairs = read_parquet(args.pairs)
-    try:
-        split = freeze_probe(pairs, size=cfg["size"], seed=cfg["seed"], where=args.pairs)
-    except ProbeError as e:
-        log.error("%s", e)
-        return 1
+    split = freeze_probe(pairs, size=cfg["size"], seed=cfg["seed"], where=args.pairs)
     write_parquet(args.train, split.train)
     write_parquet(args.probe, split.probe)
     write_json(args.manifest, split.manifest)  # last: its presence means the split is complete
@@ -155,6 +150,11 @@ def main(argv: list[str] | None = None) -> int:
              pairs.num_rows, len(m["pair_ids"]), m["seed"], m["probe_digest"], m["train_pairs"],
              len(m["excluded_from_train"]), LEAK)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main(argv, "freeze_probe", __doc__.split("\n")[0], add_arguments=_arguments, run=_run,
+                      input_errors=(ProbeError, ParamsError))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ built in a temporary sibling and renamed into place, so a failed build never lea
 """
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import os
@@ -31,6 +30,7 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 os.environ.setdefault("RAYON_NUM_THREADS", "1")
 
 from stages import verify_ref  # noqa: E402
+from stages.lib.cli import stage_main  # noqa: E402
 from stages.lib.io import write_json  # noqa: E402
 
 # ========================================================================================== settings
@@ -73,6 +73,10 @@ MODEL_CONFIG = dict(
 
 # ========================================================================================= corpus
 
+class CorpusError(ValueError):
+    """The --data corpus cannot train the tokenizer (a row that is not TRL conversational, or no rows)."""
+
+
 def iter_texts(data_path: str | os.PathLike) -> Iterator[str]:
     """Each message of each row as it appears inside the chat template (`role\\ncontent`), file order."""
     opener = gzip.open if str(data_path).endswith(".gz") else open
@@ -86,7 +90,7 @@ def iter_texts(data_path: str | os.PathLike) -> Iterator[str]:
                     for m in row[key]:
                         yield f"{m['role']}\n{m['content']}"
             except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{data_path}: row {lineno}: not a TRL conversational row ({e})") from None
+                raise CorpusError(f"{data_path}: row {lineno}: not a TRL conversational row ({e})") from None
 
 
 # ====================================================================================== tokenizer
@@ -140,7 +144,7 @@ def build(data_path: str | os.PathLike, out: str | os.PathLike, repo_id: str = R
     out = Path(out)
     texts = list(iter_texts(data_path))
     if not texts:
-        raise ValueError(f"{data_path}: no rows to train a tokenizer on")
+        raise CorpusError(f"{data_path}: no rows to train a tokenizer on")
     tokenizer = train_tokenizer(texts, vocab_size)
     model = build_model(tokenizer)
 
@@ -169,19 +173,25 @@ def _canonicalise_json_files(root: Path) -> None:
         write_json(p, json.loads(p.read_text(encoding="utf-8")))
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.make_tiny_ref", description=__doc__.split("\n")[0])
+def _arguments(ap) -> None:
     ap.add_argument("--data", default="data/embedded/color_facts_prefs.jsonl.gz")
     ap.add_argument("--out", default="models/tiny-qwen2")
     ap.add_argument("--repo-id", default=REPO_ID)
     ap.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
-    args = ap.parse_args(argv)
+
+
+def _run(args) -> int:
     lock_sha = build(args.data, args.out, args.repo_id, args.vocab_size)
     size = sum(p.stat().st_size for p in Path(args.out).rglob("*") if p.is_file())
     print(f"wrote {args.out} ({size / 1e6:.2f} MB), pinned as {args.repo_id}; ref.revision: {lock_sha}",
           file=sys.stderr)
     print(lock_sha)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main(argv, "make_tiny_ref", __doc__.split("\n")[0], add_arguments=_arguments, run=_run,
+                      params=None, log=False, input_errors=(CorpusError,))
 
 
 if __name__ == "__main__":

@@ -61,10 +61,10 @@ rejected. rows_in == pairs_out + rejected for every source (checked before anyth
 """
 from __future__ import annotations
 
-import argparse
 import glob
 import gzip
 import json
+import logging
 import math
 import re
 from dataclasses import dataclass, field
@@ -74,9 +74,10 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIRS_SCHEMA, content_hash, pair_id_of
-from stages.lib.io import setup_logging, write_json, write_parquet
-from stages.lib.params import load_params
+from stages.lib.io import write_json, write_parquet
+from stages.lib.params import ParamsError, load_params
 
 # ----------------------------------------------------------------------------------------------
 # Reason codes and the row-level error
@@ -752,22 +753,16 @@ def rejections_table(rejections: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rejections, schema=REJECTIONS_SCHEMA)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.normalize", description=__doc__.split("\n")[0])
-    ap.add_argument("--params", default="params.yaml")
+def _arguments(ap) -> None:
     ap.add_argument("--pairs", required=True, help="output pairs.parquet")
     ap.add_argument("--rejections", required=True, help="output rejections.parquet")
     ap.add_argument("--stats", required=True, help="output normalize_stats.json")
-    ap.add_argument("--log", default=None, help="log file (also logs to stderr)")
-    args = ap.parse_args(argv)
-    log = setup_logging(args.log, "normalize")
 
+
+def _run(args) -> int:
+    log = logging.getLogger("normalize")
     params = load_params(args.params)
-    try:
-        result = normalize_sources(params["data"]["sources"])
-    except SourceError as e:
-        log.error("%s", e)
-        raise SystemExit(f"normalize: {e}") from None
+    result = normalize_sources(params["data"]["sources"])
     for s in result.stats["sources"]:
         reasons = {r: n for r, n in s["rejected"].items() if n}
         log.info("source %s (%s, %s): rows_in=%d pairs_out=%d rejected=%d %s", s["name"], s["path"], s["format"],
@@ -780,6 +775,11 @@ def main(argv: list[str] | None = None) -> int:
     log.info("wrote %d pairs to %s, %d rejections to %s", t["pairs_out"], args.pairs, t["rejected_total"],
              args.rejections)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return stage_main(argv, "normalize", __doc__.split("\n")[0], add_arguments=_arguments, run=_run,
+                      input_errors=(SourceError, ParamsError))
 
 
 if __name__ == "__main__":

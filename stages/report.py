@@ -39,7 +39,6 @@ and compares the environment record with this machine's. It prints MATCH / DIFFE
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import csv
 import gzip
@@ -53,8 +52,9 @@ import tarfile
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from stages.lib.io import MD5, SHA256, atomic_path, hash_bytes, hash_file, setup_logging, sha256_bytes, write_text
-from stages.lib.params import load_params
+from stages.lib.cli import stage_main
+from stages.lib.io import MD5, SHA256, atomic_path, hash_bytes, hash_file, sha256_bytes, write_text
+from stages.lib.params import ParamsError, load_params
 
 BUNDLE_ROOT = "evidence"
 FIXED_MTIME = 0
@@ -599,16 +599,25 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     return v
 
 
-def verify_main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.report verify",
-                                 description="Check an evidence bundle: member and artifact hashes, metrics and "
-                                 "bootstrap bounds recomputed from the per-pair rows, environment compared.")
+def _verify_arguments(ap) -> None:
     ap.add_argument("bundle", help="evidence.tar.gz")
     ap.add_argument("--workspace", default=".", help="a checkout holding the run's artifacts and dvc.lock "
                     "(default: .); artifacts absent there are reported as not checked")
     ap.add_argument("--require-same-environment", action="store_true",
                     help="also fail when the bundle's environment record differs from this machine's")
-    args = ap.parse_args(argv)
+
+
+VERIFY_HELP = ("Check an evidence bundle: member and artifact hashes, metrics and bootstrap bounds recomputed "
+               "from the per-pair rows, environment compared.")
+
+
+def verify_main(argv: list[str] | None) -> int:
+    return stage_main(argv, "report", VERIFY_HELP, add_arguments=_verify_arguments, run=_verify,
+                      params=None, log=False, prog="python -m stages.report verify")
+
+
+def _verify(args) -> int:
+    """A verdict, not a refusal: a bundle that cannot be read is a DIFFERS line on stdout, exit 1."""
     try:
         verdicts = verify_bundle(args.bundle, args.workspace)
     except ReportError as e:
@@ -633,16 +642,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["verify"]:
         return verify_main(argv[1:])
-    try:
-        return _run(argv)
-    except ReportError as e:
-        logging.getLogger("report").error("refused: %s", e)
-        raise SystemExit(f"report: refused: {e}") from None
+    return stage_main(argv, "report", __doc__, add_arguments=_arguments, run=_run,
+                      input_errors=(ReportError, ParamsError))
 
 
-def _run(argv: list[str] | None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", required=True)
+def _arguments(ap) -> None:
     ap.add_argument("--artifacts", nargs="*", default=[], help="pipeline artifacts (files or dirs) hashed, not packed")
     ap.add_argument("--metrics", nargs="*", default=[], help="metrics JSON (label = file stem), packed")
     ap.add_argument("--per-pair", nargs="*", default=[], help="per-pair probe JSONL, packed")
@@ -657,10 +661,10 @@ def _run(argv: list[str] | None) -> int:
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--curves-dir", help="also write the curve PNGs here (the summary links curves/<name>.png)")
-    ap.add_argument("--log")
-    args = ap.parse_args(argv)
-    log = setup_logging(args.log, "report")
 
+
+def _run(args) -> int:
+    log = logging.getLogger("report")
     members, summary, curves = build_bundle(
         args.params, args.artifacts, args.metrics, args.per_pair, args.bootstrap_summary,
         parse_labeled(args.train_log, "--train-log"), parse_labeled(args.run_info, "--run-info"),

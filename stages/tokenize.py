@@ -58,8 +58,8 @@ The probe must come through whole: any probe pair that would be rejected fails t
 """
 from __future__ import annotations
 
-import argparse
 import json
+import logging
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -70,9 +70,10 @@ import pyarrow as pa
 
 from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, TOKENIZER_FILES, TOKENS_SCHEMA, ContractError, check_shape,
                                   pair_problems, probe_digest, token_digest, token_hash)
-from stages.lib.io import (canonical_json, display_path, read_json, read_parquet, setup_logging, sha256_file,
-                           sha256_json, write_json, write_parquet)
-from stages.lib.params import load_params
+from stages.lib.cli import stage_main
+from stages.lib.io import (canonical_json, display_path, read_json, read_parquet, sha256_file, sha256_json,
+                           write_json, write_parquet)
+from stages.lib.params import ParamsError, load_params
 
 TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end")
 # How a kept pair was cut (probe token manifest `truncated[].reason`, report `truncated_by_reason`).
@@ -690,9 +691,7 @@ def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path
     return train_result, probe_result, token_manifest, report
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m stages.tokenize", description=__doc__.split("\n")[0])
-    ap.add_argument("--params", required=True)
+def _arguments(ap) -> None:
     ap.add_argument("--identity", required=True, help="results/ref/ref_identity.json from verify_ref")
     ap.add_argument("--train", required=True)
     ap.add_argument("--probe", required=True)
@@ -702,21 +701,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--probe-token-manifest", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("--rejections", required=True)
-    ap.add_argument("--log")
-    args = ap.parse_args(argv)
-    log = setup_logging(args.log, "tokenize")
 
+
+def _run(args) -> None:
     from stages.lib.reference import load_verified_dir
 
-    try:
-        limits = TokenizeLimits.from_params(load_params(args.params)["tokenize"])
-        tokenizer_dir = load_verified_dir(args.identity)
-        train_result, probe_result, token_manifest, report = run(
-            limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, log)
-    except TokenizeError as e:
-        log.error("%s", e)
-        raise SystemExit(1) from None  # the message is in the log (stderr + log file)
-
+    log = logging.getLogger("tokenize")
+    limits = TokenizeLimits.from_params(load_params(args.params)["tokenize"])
+    tokenizer_dir = load_verified_dir(args.identity)
+    train_result, probe_result, token_manifest, report = run(
+        limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, log)
     write_outputs(train_result, probe_result, token_manifest, report, train_tokens=args.train_tokens,
                   probe_tokens=args.probe_tokens, probe_token_manifest=args.probe_token_manifest,
                   report_path=args.report, rejections=args.rejections)
@@ -724,6 +718,13 @@ def main(argv: list[str] | None = None) -> None:
              train_result.pairs_in, len(train_result.rows), len(train_result.rejections),
              canonical_json(report["splits"]["train"]["rejected_by_reason"]), train_result.truncated,
              len(probe_result.rows), token_manifest["token_digest"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    from stages.lib.reference import RefIdentityError
+
+    return stage_main(argv, "tokenize", __doc__.split("\n")[0], add_arguments=_arguments, run=_run,
+                      input_errors=(TokenizeError, ParamsError, RefIdentityError))
 
 
 if __name__ == "__main__":

@@ -43,7 +43,6 @@ loadable file appeared, then returns the directory to load from.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import os
@@ -53,8 +52,9 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Callable
 
+from stages.lib.cli import Command, stage_main
 from stages.lib.contracts import TOKENIZER_VOCAB_FILES, shape_problem
-from stages.lib.io import GIT_SHA1, MEASUREMENT, SHA256, hash_bytes, setup_logging, sha256_bytes, sha256_json, write_json
+from stages.lib.io import GIT_SHA1, MEASUREMENT, SHA256, hash_bytes, sha256_bytes, sha256_json, write_json
 from stages.lib.reference import (COMMIT_RE, CONFIG_FILE, HF_DOWNLOAD_DIR, IDENTITY_FORMAT, LOCK_FORMAT, LOCK_NAME,
                                   LOCK_SCHEMA, SHA256_RE, SINGLE_WEIGHT_FILES, RefIdentityError, _fail, hash_files,
                                   identity_digest, index_shard_suffix, is_hf_bookkeeping, is_loaded_by_transformers,
@@ -394,47 +394,47 @@ def verify_reference(ref: dict, workers: int | None = None) -> dict:
 
 # ============================================================================================= CLI
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m stages.verify_ref", description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    v = sub.add_parser("verify", help="verify ref.local_dir against its pin; write ref_identity.json")
-    v.add_argument("--params", default="params.yaml")
-    v.add_argument("--identity", default="results/ref/ref_identity.json")
-    v.add_argument("--log", default=None)
-    v.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(16, cpus))")
-    p = sub.add_parser("pin", help=f"write DIR/{LOCK_NAME} (per-file SHA-256) for a local reference")
-    p.add_argument("dir")
-    p.add_argument("--repo-id", default=None, help="name recorded in the lock (must equal ref.repo_id)")
-    p.add_argument("--workers", type=int, default=None)
-    args = ap.parse_args(argv)
+def _verify_arguments(ap) -> None:
+    ap.add_argument("--identity", default="results/ref/ref_identity.json")
+    ap.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(16, cpus))")
 
-    if args.cmd == "pin":
-        setup_logging(None, "verify_ref")
-        try:
-            digest = pin(args.dir, args.repo_id, args.workers)
-        except RefIdentityError as e:
-            log.error("%s", e)
-            return 1
-        print(digest)
-        log.info("pinned %s; to pin the lock itself set ref.revision: %s", Path(args.dir) / LOCK_NAME, digest)
-        return 0
 
+def _verify(args) -> int:
     from stages.lib.params import load_params
 
-    setup_logging(args.log, "verify_ref")
     # A failed verification must not leave a previous run's identity looking current.
     Path(args.identity).unlink(missing_ok=True)
     params = load_params(args.params)
-    try:
-        identity = verify_reference(params["ref"], args.workers)
-    except RefIdentityError as e:
-        log.error("%s", e)
-        return 1
+    identity = verify_reference(params["ref"], args.workers)
     write_json(args.identity, identity)
     log.info("verified %s %s @ %s: %d files, %d extras; identity_digest %s -> %s", identity["source"],
              identity["repo_id"], identity["revision"], len(identity["files"]), len(identity["extras"]),
              identity["identity_digest"], args.identity)
     return 0
+
+
+def _pin_arguments(ap) -> None:
+    ap.add_argument("dir")
+    ap.add_argument("--repo-id", default=None, help="name recorded in the lock (must equal ref.repo_id)")
+    ap.add_argument("--workers", type=int, default=None)
+
+
+def _pin(args) -> int:
+    digest = pin(args.dir, args.repo_id, args.workers)
+    print(digest)
+    log.info("pinned %s; to pin the lock itself set ref.revision: %s", Path(args.dir) / LOCK_NAME, digest)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from stages.lib.params import ParamsError
+
+    return stage_main(argv, "verify_ref", __doc__.split("\n")[0], input_errors=(RefIdentityError, ParamsError),
+                      commands={
+                          "verify": Command(_verify_arguments, _verify, help="verify ref.local_dir against its pin; "
+                                            "write ref_identity.json"),
+                          "pin": Command(_pin_arguments, _pin, help=f"write DIR/{LOCK_NAME} (per-file SHA-256) for "
+                                         "a local reference", params=None, log=False)})
 
 
 if __name__ == "__main__":

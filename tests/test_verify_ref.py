@@ -196,7 +196,9 @@ def test_cli_verify_writes_identity_and_load_verified_dir_returns_dir(snap, tmp_
     assert load_verified_dir(out) == snap.resolve()
     # a failed re-run removes the stale identity instead of leaving it looking current
     (snap / "config.json").write_text("{}")
-    assert verify_ref.main(["verify", "--params", str(tmp_path / "params.yaml"), "--identity", str(out)]) == 1
+    with pytest.raises(SystemExit) as refused:       # the stage-CLI convention: one refusal line, exit 1
+        verify_ref.main(["verify", "--params", str(tmp_path / "params.yaml"), "--identity", str(out)])
+    assert refused.value.code == 1 and str(refused.value).startswith("verify_ref: refused: ")
     assert not out.exists()
 
 
