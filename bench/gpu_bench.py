@@ -94,7 +94,7 @@ def hh_lines(hh: Path, concat: int = 1) -> list[str]:
 def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length: int, work: Path,
                    concat: int = 1) -> dict:
     from stages.lib.io import write_parquet
-    from stages.lib.packing import load_token_pairs, shares_prompt
+    from stages.engine.packing import load_token_pairs, shares_prompt
     from stages.normalize import normalize_sources
     from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs, tokens_table
 

@@ -61,7 +61,7 @@ def main():
     ap.add_argument("--out")
     args = ap.parse_args()
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as hf_rope
-    from stages.lib import kernels
+    from stages.engine import kernels
     torch.manual_seed(0)
     bf = dict(device="cuda", dtype=torch.bfloat16)
     rows = {}

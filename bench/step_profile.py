@@ -5,7 +5,7 @@
 
 The workload is gpu_bench.py's (the TRL anchor's: HH-RLHF pairs through our normalize + tokenize,
 random-init Qwen2.5-0.5B shape, 8 pairs per optimizer step). Each variant runs the stage CLI exactly as
-the bench does, with PREFPIPE_PROFILE set (stages/lib/step_profiler.py): the first optimizer step
+the bench does, with PREFPIPE_PROFILE set (stages/engine/step_profiler.py): the first optimizer step
 profiled by host time (one-off costs) and 6 steady steps by GPU kernel time. Variants:
   graphs   params as given (CUDA graphs on a single GPU): the steady table is the replayed kernels
   eager    train.cuda_graphs = 0: the same kernels launched one by one, with the ops that issue them

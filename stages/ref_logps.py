@@ -12,33 +12,33 @@ does, so the policy's step-0 probe log-probs reproduce these and every step-0 pa
 """
 from __future__ import annotations
 
-import argparse
 import logging
 import time
 from pathlib import Path
 
 from stages.lib.io import MEASUREMENT, write_json, write_parquet
-from stages.lib.modeling import SequenceLogProbs, load_causal_lm
-from stages.lib.objectives import ref_logps_table
+from stages.engine.modeling import ModelLoadError, SequenceLogProbs, load_causal_lm
+from stages.engine.objectives import ref_logps_table
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_common_args, compute_dtype, disable_dropout, init_distributed,
-                                load_stage_tokens, resolve_model_dir, run_inference, shutdown_distributed, stage_environment,
-                                stage_logging)
+from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_tokens, resolve_model_dir,
+                               stage_environment)
+from stages.engine.data import run_inference
+from stages.engine.dist import compute_dtype, disable_dropout, init_distributed, shutdown_distributed
+from stages.engine.settings import TrainSettings
 
 log = logging.getLogger("ref_logps")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m stages.ref_logps", description=__doc__.split("\n")[0])
+def _arguments(parser) -> None:
     add_common_args(parser)
     parser.add_argument("--out", required=True, help="ref_logps.parquet")
-    args = parser.parse_args(argv)
 
+
+def _run(args) -> None:
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     env = init_distributed(settings)
     try:
-        stage_logging(args.log, "ref_logps", env)
         stage_environment(args, settings)
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> None:
         # The same weights dtype as the policy's step-0 probe pass, so every step-0 pair ties exactly.
         reference.requires_grad_(False).to(env.device, dtype=compute_dtype(settings))
         if settings.parallel == "fsdp2":      # shard a reference too large to replicate
-            from stages.lib.trainer import wrap_model
+            from stages.engine.dist import wrap_model
             reference = wrap_model(reference, reference.lm, settings, env)
         splits, perf = {}, {}
         # The probe split first: like train_dpo's step-0 probe pass before its timed loop, it takes the
@@ -74,6 +74,11 @@ def main(argv: list[str] | None = None) -> None:
                 write_json(args.perf, perf)
     finally:
         shutdown_distributed()
+
+
+def main(argv: list[str] | None = None) -> None:
+    return engine_stage_main(argv, "ref_logps", __doc__.split("\n")[0], _arguments, _run,
+                             input_errors=(ModelLoadError,))
 
 
 if __name__ == "__main__":

@@ -12,32 +12,36 @@ Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_f
 """
 from __future__ import annotations
 
-import argparse
+import logging
 
 from stages.lib.io import read_parquet
-from stages.lib.objectives import DPOObjective, ref_logps_for
+from stages.engine.objectives import DPOObjective, RefLogpsError, ref_logps_for
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_checkpoint_args, add_common_args, checkpoint_options,
-                                init_distributed, load_stage_tokens, resolve_model_dir, shutdown_distributed,
-                                stage_environment, stage_logging, train)
+from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
+                               load_stage_tokens, resolve_model_dir, stage_environment)
+from stages.engine.dist import init_distributed, shutdown_distributed
+from stages.engine.export import ExportError
+from stages.engine.loop import train
+from stages.engine.modeling import ModelLoadError
+from stages.engine.settings import TrainConfigError, TrainSettings
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m stages.train_dpo", description=__doc__.split("\n")[0])
+def _arguments(parser) -> None:
     add_common_args(parser)
     parser.add_argument("--ref-logps", help="ref_logps.parquet (required for dpo.objective: dpo)")
     parser.add_argument("--out-dir", required=True)
     add_checkpoint_args(parser)
-    args = parser.parse_args(argv)
 
+
+def _run(args) -> dict:
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     dpo = params["dpo"]
     if dpo["objective"] == "dpo" and not args.ref_logps:
-        parser.error("dpo.objective is dpo: --ref-logps is required (run the ref_logps stage)")
+        raise TrainConfigError("dpo.objective is dpo: --ref-logps is required (run the ref_logps stage)")
     env = init_distributed(settings)
     try:
-        log = stage_logging(args.log, "train_dpo", env)
+        log = logging.getLogger("train_dpo")
         environment = stage_environment(args, settings)
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
@@ -53,6 +57,11 @@ def main(argv: list[str] | None = None) -> dict:
                      environment=environment, perf_path=args.perf)
     finally:
         shutdown_distributed()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return engine_stage_main(argv, "train_dpo", __doc__.split("\n")[0], _arguments, _run,
+                             input_errors=(RefLogpsError, ModelLoadError, ExportError))
 
 
 if __name__ == "__main__":

@@ -14,27 +14,28 @@ sequence's last token whose id != pad_token_id: the token HF's sequence-classifi
 """
 from __future__ import annotations
 
-import argparse
-
-from stages.lib.objectives import RewardObjective
+from stages.engine.objectives import RewardObjective
 from stages.lib.params import load_params
-from stages.lib.trainer import (TrainSettings, add_checkpoint_args, add_common_args, checkpoint_options,
-                                init_distributed, load_stage_tokens, resolve_model_dir, shutdown_distributed,
-                                stage_environment, stage_logging, train)
+from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
+                               load_stage_tokens, resolve_model_dir, stage_environment)
+from stages.engine.dist import init_distributed, shutdown_distributed
+from stages.engine.export import ExportError
+from stages.engine.loop import train
+from stages.engine.modeling import ModelLoadError
+from stages.engine.settings import TrainSettings
 
 
-def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m stages.train_rm", description=__doc__.split("\n")[0])
+def _arguments(parser) -> None:
     add_common_args(parser)
     parser.add_argument("--out-dir", required=True)
     add_checkpoint_args(parser)
-    args = parser.parse_args(argv)
 
+
+def _run(args) -> dict:
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     env = init_distributed(settings)
     try:
-        stage_logging(args.log, "train_rm", env)
         environment = stage_environment(args, settings)
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
@@ -44,6 +45,11 @@ def main(argv: list[str] | None = None) -> dict:
                      environment=environment, perf_path=args.perf)
     finally:
         shutdown_distributed()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    return engine_stage_main(argv, "train_rm", __doc__.split("\n")[0], _arguments, _run,
+                             input_errors=(ModelLoadError, ExportError))
 
 
 if __name__ == "__main__":

@@ -59,9 +59,6 @@ from stages.lib.reference import (COMMIT_RE, CONFIG_FILE, HF_DOWNLOAD_DIR, IDENT
                                   LOCK_SCHEMA, SHA256_RE, SINGLE_WEIGHT_FILES, RefIdentityError, _fail, hash_files,
                                   identity_digest, index_shard_suffix, is_hf_bookkeeping, is_loaded_by_transformers,
                                   is_weight_index, list_files, parse_hf_metadata, unsafe_relpath_reason)
-# The readers every other stage uses live in lib (stages import lib only); re-exported for `verify_ref`'s
-# callers that predate the move.
-from stages.lib.reference import load_verified_dir, read_identity  # noqa: F401
 
 log = logging.getLogger("verify_ref")
 

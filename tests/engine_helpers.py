@@ -14,6 +14,18 @@ import torch.nn.functional as F
 
 from stages.lib.io import sha256_json, write_parquet
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def train_settings(**overrides):
+    """The repository's params.yaml `train` section as the engine's TrainSettings, with overrides (the
+    schema is the one home of the defaults, so tests take them from params.yaml too)."""
+    import yaml
+    from stages.engine.settings import TrainSettings
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["train"].update(overrides)
+    return TrainSettings.from_params(params)
+
 VOCAB = 128
 
 

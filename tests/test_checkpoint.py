@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
-from stages.lib.checkpoint import META, TEST_HOOK_ENV, CheckpointError, list_checkpoints
+from stages.engine.checkpoint import META, TEST_HOOK_ENV, CheckpointError, list_checkpoints
 from stages.lib.io import read_json, read_jsonl
 from test_train import REPO, assets, stage_args, write_params  # noqa: F401 - `assets` is a fixture
 
@@ -71,9 +71,9 @@ def test_checkpoints_are_complete_self_describing_and_pruned(assets):
     step, path, meta = complete[0]
     assert (meta["objective"], meta["role"], meta["head"]) == ("reward_model", "reward_model", "score")
     assert meta["model_class"] == "Qwen2ForSequenceClassification" and meta["world_size"] == 1
-    assert meta["format_version"] == 1 and meta["step"] == 8 and meta["reference"]["kind"] == "model_dir"
+    assert meta["format_version"] == 2 and meta["step"] == 8 and meta["reference"]["kind"] == "model_dir"
     assert path.name == f"step_00000008-{meta['fingerprint'][:12]}"
-    assert set(meta["files"]) == {"model.pt", "optimizer.pt", "scheduler.pt", "trainer_state.json",
+    assert set(meta["files"]) == {"model.pt", "optimizer.pt", "trainer_state.json",
                                   "probe_step0.jsonl", "rng/rank00000.pt"}
     state = json.loads((path / "trainer_state.json").read_text())
     assert [r["step"] for r in state["log_rows"]] == list(range(1, 9))
@@ -108,10 +108,12 @@ def trained(assets):
 def refused(stage: str, args: list[str], match: str) -> str:
     import importlib
     main = importlib.import_module(f"stages.{stage}").main
-    with pytest.raises(CheckpointError, match=match) as e:
+    with pytest.raises(SystemExit, match=match) as e:       # the stage-CLI refusal: one line, exit 1
         main(args)
     assert not dist.is_initialized()
-    return str(e.value)
+    assert e.value.code == 1 and str(e.value).startswith(f"{stage}: refused: ")
+    assert isinstance(e.value.__cause__, CheckpointError)
+    return str(e.value.__cause__)
 
 
 def copy_checkpoint(src: Path, dst: Path, **meta_changes) -> Path:
@@ -144,9 +146,9 @@ def test_partial_corrupted_and_incomplete_checkpoints_are_refused(trained):
     (no_optim / "optimizer.pt").unlink()
     refused("train_rm", ckpt_args(a, "x", params, resume=no_optim), "partial checkpoint: optimizer state optimizer.pt")
     meta = read_json(good / META)
-    parts = {k: v for k, v in meta["parts"].items() if k != "scheduler"}
-    no_sched = copy_checkpoint(good, a / "no_sched", parts=parts)
-    refused("train_rm", ckpt_args(a, "x", params, resume=no_sched), "partial checkpoint: no scheduler state")
+    parts = {k: v for k, v in meta["parts"].items() if k != "trainer_state"}
+    no_state = copy_checkpoint(good, a / "no_state", parts=parts)
+    refused("train_rm", ckpt_args(a, "x", params, resume=no_state), "partial checkpoint: no trainer_state state")
     no_rng = copy_checkpoint(good, a / "no_rng")
     (no_rng / "rng/rank00000.pt").unlink()
     refused("train_rm", ckpt_args(a, "x", params, resume=no_rng), "partial checkpoint: rng state rng/rank00000.pt")
@@ -215,11 +217,12 @@ def test_auto_resume_skips_other_runs_checkpoints_with_a_warning(trained):
 
 def test_save_every_without_a_checkpoint_dir_is_refused(assets):
     from stages import train_rm
-    from stages.lib.trainer import TrainConfigError
+    from stages.engine.settings import TrainConfigError
     params = write_params(assets / "p.yaml", train={"save_every": 2})
-    with pytest.raises(TrainConfigError, match="needs a checkpoint directory"):
+    with pytest.raises(SystemExit, match="train_rm: refused: .*needs a checkpoint directory") as e:
         train_rm.main(ckpt_args(assets, "x", params))
     assert not dist.is_initialized()
+    assert e.value.code == 1 and isinstance(e.value.__cause__, TrainConfigError)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -229,10 +232,13 @@ def test_save_every_without_a_checkpoint_dir_is_refused(assets):
 def test_rm_export_loads_back_with_identical_scores_and_the_head_guard(assets):
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
     from stages import train_rm
-    from stages.lib.modeling import ModelLoadError, SequenceRewards, load_causal_lm, load_reward_model
-    from stages.lib.packing import load_token_pairs
+    from stages.engine.modeling import ModelLoadError, SequenceRewards, load_causal_lm, load_reward_model
+    from stages.engine.packing import load_token_pairs
     import yaml
-    from stages.lib.trainer import DistEnv, ExportError, TrainSettings, check_export_head, run_inference
+    from stages.engine.data import run_inference
+    from stages.engine.dist import DistEnv
+    from stages.engine.export import ExportError, check_export_head
+    from stages.engine.settings import TrainSettings
     params = write_params(assets / "p.yaml", train={"epochs": 1})
     train_rm.main(ckpt_args(assets, "rm", params))
     final = read_jsonl(assets / "rm/probe_final.jsonl")
@@ -389,8 +395,9 @@ def test_sigkill_after_and_during_checkpoint_saves_then_resume_equals_uninterrup
     assert complete_steps(ck) == [6, 8] and not interrupted_saves(ck)
 
     # A DP=2 checkpoint under one process is refused, naming the world sizes.
-    with pytest.raises(CheckpointError, match="world size 2 != this run's 1"):
+    with pytest.raises(SystemExit, match="world size 2 != this run's 1") as e:
         train_dpo.main(ckpt_args(assets, "dp1", params, resume=checkpoint_at(ck, 8), extra=ref))
+    assert e.value.code == 1 and isinstance(e.value.__cause__, CheckpointError)
 
 
 @pytest.mark.slow

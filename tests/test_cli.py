@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+import yaml
 
 from stages.lib.cli import StageRefused, one_line, refuse, stage_main
 from stages.lib.io import write_parquet
@@ -110,6 +111,27 @@ def test_under_torchrun_only_rank_0_prints_the_refusal(tmp_path):
                   env={"RANK": "1"})
     assert r.returncode == 1 and "refused" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "freeze_probe.log").exists()
+
+
+def bad_train_params(tmp_path: Path) -> Path:
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["train"]["lr"] = "fast"
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def train_rm_args(tmp_path: Path, params: Path) -> list:
+    return ["--params", params, "--model-dir", tmp_path / "model", "--train-tokens", tmp_path / "t.parquet",
+            "--probe-tokens", tmp_path / "p.parquet", "--out-dir", tmp_path / "rm", "--log", tmp_path / "train_rm.log"]
+
+
+def test_train_rm_refuses_a_bad_param_in_one_line(tmp_path):
+    params = bad_train_params(tmp_path)
+    r = run_stage("train_rm", *train_rm_args(tmp_path, params))
+    line = assert_refused(r, "train_rm", f"{params} is invalid: train.lr: 'fast'", log=tmp_path / "train_rm.log")
+    assert "\n" not in line
+    assert not (tmp_path / "rm").exists()
 
 
 # ------------------------------------------------------------------------------------------- in process

@@ -26,8 +26,8 @@ import yaml
 
 from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, reference_seq_logps, toy_task_rows,
                             write_token_parquet)
-from stages.lib.objectives import DPOObjective, dpo_pair_losses
-from stages.lib.packing import BatchDims, build_packed_batch, load_token_pairs, pad_packed_batch, plan_training
+from stages.engine.objectives import DPOObjective, dpo_pair_losses
+from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, pad_packed_batch, plan_training
 from stages.lib.params import ParamsError, load_params, validate_params
 
 REPO = Path(__file__).resolve().parents[1]

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
 from test_train import assets  # noqa: F401 - the tiny model + toy task fixture of the stage tests
-from stages.lib.modeling import USED_BACKENDS, SequenceLogProbs, load_causal_lm, packed_attention_forward
-from stages.lib.packing import build_packed_batch, load_token_pairs
-from stages.lib.trainer import model_inputs
+from stages.engine.modeling import USED_BACKENDS, SequenceLogProbs, load_causal_lm, packed_attention_forward
+from stages.engine.packing import build_packed_batch, load_token_pairs
+from stages.engine.data import model_inputs
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run through the device tool)")]
@@ -90,7 +90,7 @@ def test_cuda_graph_training_matches_eager_training(assets, objective, precision
 
 
 def test_fused_rms_norm_matches_hf_on_gpu_in_bf16(tmp_path):
-    from stages.lib.modeling import FUSABLE_RMS_NORMS
+    from stages.engine.modeling import FUSABLE_RMS_NORMS
     model = load_causal_lm(make_tiny_model_dir(tmp_path / "m")).to("cuda", dtype=torch.bfloat16)
     norm = next(m for m in model.modules() if type(m).__name__ in FUSABLE_RMS_NORMS)
     with torch.no_grad():
@@ -107,7 +107,7 @@ def test_fused_rms_norm_matches_hf_on_gpu_in_bf16(tmp_path):
 
 def test_fused_rotary_and_silu_mul_match_hf_on_gpu_in_bf16():
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as hf_rope
-    from stages.lib import kernels
+    from stages.engine import kernels
     torch.manual_seed(0)
     t, hq, hk, d = 700, 14, 2, 64
     qp = torch.randn(1, t, hq * d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -137,7 +137,7 @@ def test_fused_rotary_and_silu_mul_match_hf_on_gpu_in_bf16():
 
 def test_fused_model_matches_hf_code_path_on_gpu_in_bf16(tmp_path, monkeypatch):
     """Whole packed model, bf16 on CUDA: routed through the fused kernels vs HF's code (routing switched off)."""
-    from stages.lib import kernels
+    from stages.engine import kernels
     model_dir = make_tiny_model_dir(tmp_path / "m", hidden=128)
     pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", random_rows(16, seed=5)))
     batch = build_packed_batch(pairs, list(range(16)), share_prompt=True).to(torch.device("cuda"))

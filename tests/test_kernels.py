@@ -1,4 +1,4 @@
-"""The fused kernels (stages/lib/kernels.py) and their routing (modeling.use_fused_kernels).
+"""The fused kernels (stages/engine/kernels.py) and their routing (modeling.use_fused_kernels).
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so this process's
 kernels stay compiled-for-GPU); tests/test_gpu.py runs the same checks on CUDA in bf16."""
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
-from stages.lib.modeling import SequenceLogProbs, load_causal_lm, load_reward_model
-from stages.lib.packing import build_packed_batch, load_token_pairs
-from stages.lib.trainer import model_inputs
+from stages.engine.modeling import SequenceLogProbs, load_causal_lm, load_reward_model
+from stages.engine.packing import build_packed_batch, load_token_pairs
+from stages.engine.data import model_inputs
 
 CHECKS = Path(__file__).resolve().parent / "triton_interpret_checks.py"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
@@ -36,7 +36,7 @@ def test_kernels_match_hf_math_forward_and_backward_under_the_interpreter():
 
 @needs_triton
 def test_flat_adamw_equals_the_eager_master_weight_step_under_the_interpreter():
-    """stages/lib/flat_adamw.py's three kernels through graphed_optimizer_step: the masters, moments and step
+    """stages/engine/flat_adamw.py's three kernels through graphed_optimizer_step: the masters, moments and step
     counts of MasterWeightAdamW's own clipped step, the model's weights its rounded masters, a parameter
     without gradient untouched, and a state_dict that continues as MasterWeightAdamW's."""
     assert "flat adamw ok" in interpret("flat_adamw")

@@ -15,7 +15,8 @@ import pytest
 
 from stages import make_tiny_ref
 from stages.lib.io import write_json
-from stages.verify_ref import LOCK_NAME, load_verified_dir, verify_reference
+from stages.lib.reference import load_verified_dir
+from stages.verify_ref import LOCK_NAME, verify_reference
 
 
 def write_trl_corpus(path: Path, n: int = 150, seed: int = 3) -> Path:

@@ -10,10 +10,10 @@ import torch
 
 from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, reference_rm_scores, reference_seq_logps,
                             token_row, write_token_parquet)
-from stages.lib.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewards, load_causal_lm,
+from stages.engine.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewards, load_causal_lm,
                                  load_reward_model)
-from stages.lib.packing import BatchDims, build_packed_batch, load_token_pairs, pack_micro_batches, pad_packed_batch
-from stages.lib.trainer import model_inputs as batch_inputs   # the trainer's own batch -> forward mapping
+from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, pack_micro_batches, pad_packed_batch
+from stages.engine.data import model_inputs as batch_inputs   # the trainer's own batch -> forward mapping
 
 torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
 
@@ -201,7 +201,7 @@ def test_padded_batch_gives_the_same_outputs_and_gradients(tmp_path, share_promp
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_rms_norms_are_routed_to_the_fused_kernel_and_unchanged_on_cpu(tmp_path, arch):
-    from stages.lib.modeling import FUSABLE_RMS_NORMS
+    from stages.engine.modeling import FUSABLE_RMS_NORMS
     model_dir = make_tiny_model_dir(tmp_path / "m", arch=arch)
     for model in (load_causal_lm(model_dir), load_reward_model(model_dir)):
         norms = [m for m in model.modules() if type(m).__name__ in FUSABLE_RMS_NORMS]
@@ -217,7 +217,7 @@ def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias)
     """GroupedLinear (the fused q|k|v and gate|up projection): output and every gradient equal the separate
     nn.Linear layers'; adjacent_rows aliases weights that lie back to back (flat_adamw's buffer) and refuses
     anything else, which then takes the concatenating copy."""
-    from stages.lib.modeling import adjacent_rows, grouped_linear
+    from stages.engine.modeling import adjacent_rows, grouped_linear
     torch.manual_seed(0)
     layers = [torch.nn.Linear(6, n, bias=bias, dtype=torch.float64) for n in (8, 2, 2)]
     x = torch.randn(3, 5, 6, dtype=torch.float64, requires_grad=True)

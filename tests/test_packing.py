@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine_helpers import random_rows, token_row, write_token_parquet
-from stages.lib.packing import (BatchDims, TokenDataError, assign_pairs_to_ranks, batch_dims, build_packed_batch,
+from stages.engine.packing import (BatchDims, TokenDataError, assign_pairs_to_ranks, batch_dims, build_packed_batch,
                                 load_token_pairs, pack_micro_batches, pad_packed_batch, plan_inference,
                                 plan_padded_shapes, plan_training, shared_prompt_flags)
 
@@ -86,10 +86,10 @@ def test_plan_training_is_world_size_independent_per_step_and_covers_epochs():
     for epoch in (0, 1):
         seen = [i for s in one if s.epoch == epoch for mb in s.rank_micro_batches[0] for i in mb]
         assert sorted(seen) == list(range(50))
-    assert one[6].pairs() == 2 and one[-1].epoch_progress == pytest.approx(2.0)
+    assert sum(map(len, one[6].rank_micro_batches[0])) == 2 and one[-1].epoch_progress == pytest.approx(2.0)
     assert plan_training(tokens, epochs=1, world_size=1, **{**kw, "seed": 12})[0] != one[0]
     half = plan_training(tokens, epochs=1.5, world_size=1, **kw)
-    assert sum(s.pairs() for s in half) == 75 and half[-1].epoch_progress == pytest.approx(1.5)
+    assert sum(len(mb) for s in half for mb in s.rank_micro_batches[0]) == 75 and half[-1].epoch_progress == pytest.approx(1.5)
 
 
 def test_plan_inference_micro_batches_do_not_depend_on_world_size():
@@ -111,11 +111,10 @@ def test_packed_batch_positions_boundaries_and_targets(tmp_path):
     assert (b.input_ids[0, b.logp_positions + 1] == b.logp_targets).all()
     assert b.logp_seq.tolist() == [0, 0, 1, 1, 1, 2, 2, 3]
     assert b.last_positions.tolist() == [2, 6, 10, 13]
-    assert b.pair_index.tolist() == [1, 0] and b.seq_pair.tolist() == [0, 0, 1, 1]
-    assert b.seq_is_chosen.tolist() == [True, False, True, False]
-    assert (b.n_tokens, b.n_pairs) == (14, 2)
+    assert b.pair_index.tolist() == [1, 0]
+    assert sum(b.seq_lens) == 14 and b.pair_index.numel() == 2
     filler = build_packed_batch(pairs, [0], weight=0.0)
-    assert (filler.n_tokens, filler.n_pairs) == (0, 0) and filler.pair_weight.tolist() == [0.0]
+    assert filler.pair_weight.tolist() == [0.0]
     assert torch.equal(b.to(torch.device("cpu")).input_ids, b.input_ids)
 
 
@@ -136,7 +135,7 @@ def test_shared_prompt_layout_gathers_prompt_keys_for_the_rejected_completion(tm
     assert b.logp_targets.tolist() == [12, 13, 14, 31, 32, 33]
     assert b.logp_seq.tolist() == [0, 0, 1, 2, 2, 3]
     assert b.last_positions.tolist() == [3, 4, 7, 9]
-    assert (b.n_tokens, b.computed_tokens, b.seq_lens) == (12, 10, [4, 3, 3, 2])
+    assert (sum(b.seq_lens), b.computed_tokens, b.seq_lens) == (12, 10, [4, 3, 3, 2])
     unshared = build_packed_batch(pairs, [0, 1], share_prompt=False)
     assert unshared.kv_index is None and unshared.cu_seqlens_k is None and unshared.computed_tokens == 12
     nothing_shared = build_packed_batch(pairs, [1], share_prompt=True)

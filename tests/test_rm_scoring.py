@@ -20,9 +20,9 @@ import torch
 
 from engine_helpers import make_tiny_model_dir, token_row, toy_task_rows, write_token_parquet
 from stages.lib.io import read_json, read_jsonl
-from stages.lib.modeling import ModelLoadError, load_reward_model
-from stages.lib.packing import TokenDataError, build_packed_batch, load_token_pairs
-from stages.lib.trainer import ExportError, export_tokenizer_pad
+from stages.engine.modeling import ModelLoadError, load_reward_model
+from stages.engine.packing import TokenDataError, build_packed_batch, load_token_pairs
+from stages.engine.export import ExportError, export_tokenizer_pad
 from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs
 from test_tokenize import CHATML, gpt2_with_template, load_hh_pairs
 from test_train import stage_args, write_params
@@ -147,9 +147,10 @@ def test_a_completion_of_only_pad_tokens_is_refused_naming_the_pair(tmp_path):
                          probe[1]["rejected_prompt_len"])
     write_token_parquet(tmp_path / "probe.parquet", probe)
     params = write_params(tmp_path / "p.yaml", train={"epochs": 1})
-    with pytest.raises(TokenDataError, match=r"probe\.parquet: row 1 \(pair q_only_eos\) rejected: every "
-                                             r"completion token is the pad token 2"):
+    with pytest.raises(SystemExit, match=r"train_rm: refused: .*probe\.parquet: row 1 \(pair q_only_eos\) rejected: "
+                                         r"every completion token is the pad token 2") as e:
         train_rm.main(stage_args(tmp_path, "--out-dir", tmp_path / "rm", params))
+    assert e.value.code == 1 and isinstance(e.value.__cause__, TokenDataError)
     assert not (tmp_path / "rm/model").exists()
 
 

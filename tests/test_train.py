@@ -20,12 +20,13 @@ import torch.nn.functional as F
 import yaml
 
 from engine_helpers import (make_tiny_model_dir, pair_seqs, reference_rm_scores, reference_seq_logps,
-                            toy_task_rows, write_token_parquet)
+                            toy_task_rows, train_settings, write_token_parquet)
+from stages.engine.optim import lr_factor
+from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl, read_parquet
-from stages.lib.objectives import (RefLogpsError, dpo_pair_losses, ref_logps_for, ref_logps_table,
+from stages.engine.objectives import (RefLogpsError, dpo_pair_losses, ref_logps_for, ref_logps_table,
                                    reward_pair_losses, tie_aware_accuracy)
-from stages.lib.packing import load_token_pairs, plan_training
-from stages.lib.trainer import TrainConfigError, TrainSettings, lr_factor
+from stages.engine.packing import load_token_pairs, plan_training
 
 REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
@@ -108,13 +109,37 @@ def test_lr_schedules_follow_hf_warmup_semantics():
     assert lr_factor(6, 2, 10, "linear") == pytest.approx(0.5) and lr_factor(9, 2, 10, "constant") == 1.0
 
 
+def test_lr_set_directly_equals_torch_lambdalr_bit_for_bit():
+    """engine.optim.LRSchedule replaced LambdaLR: the same learning rates, bit for bit, at every step."""
+    from stages.engine.optim import LRSchedule
+    for schedule in ("cosine", "linear", "constant"):
+        settings = train_settings(lr=3e-4, warmup_ratio=0.1, schedule=schedule)
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=settings.lr)
+        ours = LRSchedule(settings, 37)
+        warmup = math.ceil(settings.warmup_ratio * 37)
+        theirs = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, warmup, 37, schedule))
+        for step in range(37):
+            assert ours.lr(step) == theirs.get_last_lr()[0], (schedule, step)
+            opt.step()
+            theirs.step()
+
+
+def test_train_settings_take_the_schema_as_their_only_definition():
+    with pytest.raises(TrainConfigError, match="train.precision: 'fp8' is not one of"):
+        train_settings(precision="fp8")
+    with pytest.raises(TrainConfigError, match="train.cuda_graphs: -1 is less than the minimum of 0"):
+        train_settings(cuda_graphs=-1)
+    assert train_settings().epochs == yaml.safe_load((REPO / "params.yaml").read_text())["train"]["epochs"]
+
+
 def test_temperature_other_than_one_is_refused_before_anything_is_built(assets):
     params = write_params(assets / "p.yaml", train={"temperature": 0.7})
     with pytest.raises(TrainConfigError, match="temperature = 0.7"):
         TrainSettings.from_params(yaml.safe_load(params.read_text()))
     from stages import train_dpo
-    with pytest.raises(TrainConfigError, match="temperature"):
+    with pytest.raises(SystemExit, match="train_dpo: refused: .*temperature") as e:   # one line, exit 1
         train_dpo.main(stage_args(assets, "--out-dir", assets / "out", params)[:-2] + ["--ref-logps", "x.parquet"])
+    assert e.value.code == 1 and isinstance(e.value.__cause__, TrainConfigError)
     assert not dist.is_initialized() and not (assets / "out").exists()
 
 
@@ -184,7 +209,7 @@ def test_dpo_first_step_loss_grad_norm_and_ref_logps_match_independent_implement
 def test_rm_first_step_loss_and_grad_norm_match_independent_implementation(assets):
     from transformers import AutoModelForSequenceClassification
     from stages import train_rm
-    from stages.lib.modeling import load_reward_model
+    from stages.engine.modeling import load_reward_model
     params = write_params(assets / "p.yaml", rm={"center_rewards_coefficient": 0.05})
     out = assets / "rm"
     train_rm.main(stage_args(assets, "--out-dir", out, params))
@@ -320,7 +345,7 @@ def test_rm_under_torchrun_dp2_equals_dp1_and_fsdp2_and_learns(assets):
 # ----------------------------------------------------------------------------------------------
 
 def test_master_weights_keep_updates_that_pure_bf16_loses_and_round_trip_exactly():
-    from stages.lib.trainer import MasterWeightAdamW
+    from stages.engine.optim import MasterWeightAdamW
     torch.manual_seed(0)
     fp32 = torch.nn.Linear(16, 16)
     pure, mixed = torch.nn.Linear(16, 16).to(torch.bfloat16), torch.nn.Linear(16, 16)
@@ -401,9 +426,10 @@ def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
 def test_graph_optimizer_step_equals_the_eager_step(master):
     """graphed_optimizer_step (device-tensor learning rate, persistent zeroed gradients, the metric row) updates
     as the eager path's clip + AdamW(fused).step() + zero_grad, step after step, with a changing LR."""
-    from stages.lib.trainer import (DistEnv, MasterWeightAdamW, build_optimizer, graphed_optimizer_step,
-                                    total_grad_norm)
-    settings = TrainSettings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16" if master else "autocast")
+    from stages.engine.dist import DistEnv
+    from stages.engine.optim import MasterWeightAdamW, build_optimizer, total_grad_norm
+    from stages.engine.steps import graphed_optimizer_step
+    settings = train_settings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16" if master else "autocast")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
     torch.manual_seed(0)
     base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
@@ -455,7 +481,7 @@ def test_graph_optimizer_step_equals_the_eager_step(master):
 
 
 def test_split_measurements_moves_every_timing_out_of_the_facts():
-    from stages.lib.trainer import split_measurements
+    from stages.engine.loop import split_measurements
     facts, times = split_measurements({"enabled": True, "capture_seconds": 0.4, "shapes": [{"tokens": 8}],
                                        "optimizer": {"kind": "flat_triton_adamw", "warmup_seconds": 0.01}})
     assert facts == {"enabled": True, "shapes": [{"tokens": 8}], "optimizer": {"kind": "flat_triton_adamw"}}

@@ -1,5 +1,5 @@
 """Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter executes the
-real kernels of stages/lib/kernels.py on CPU tensors (the GPU run of the same kernels is tests/test_gpu.py).
+real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same kernels is tests/test_gpu.py).
 
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py kernels
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model <model_dir> <token_parquet> <out.pt>
@@ -20,7 +20,7 @@ import torch.nn.functional as F  # noqa: E402
 
 def check_kernels() -> None:
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
-    from stages.lib import kernels
+    from stages.engine import kernels
     torch.manual_seed(0)
     for t, hq, hk, d in ((7, 3, 1, 8), (5, 14, 2, 16), (0, 2, 2, 8)):
         q = torch.randn(t, hq, d, dtype=torch.float64).float().requires_grad_()
@@ -67,10 +67,10 @@ def check_kernels() -> None:
 
 def model_outputs(model_dir: str, parquet: str, out: str) -> None:
     """The packed model's log-probs and gradients with the fused routing live (interpreted kernels)."""
-    from stages.lib import kernels, modeling
-    from stages.lib.modeling import SequenceLogProbs, load_causal_lm
-    from stages.lib.packing import build_packed_batch, load_token_pairs
-    from stages.lib.trainer import model_inputs
+    from stages.engine import kernels, modeling
+    from stages.engine.modeling import SequenceLogProbs, load_causal_lm
+    from stages.engine.packing import build_packed_batch, load_token_pairs
+    from stages.engine.data import model_inputs
     calls = {"rotary_qk": 0, "silu_mul_halves": 0, "grouped_linear": 0}
     for name in calls:                        # count that the fused paths, not HF's code, ran
         owner = modeling if name == "grouped_linear" else kernels
@@ -94,10 +94,12 @@ def check_flat_adamw(device: str = "cpu") -> None:
     the eager trainer's step (grads_to_master, clip_grad_norm_, MasterWeightAdamW.step, zero_grad), step after
     step with a changing learning rate and an active clip; a parameter without gradient stays untouched; the
     optimizer state_dict it leaves continues as MasterWeightAdamW's own."""
-    from stages.lib.flat_adamw import FlatMasterAdamW
-    from stages.lib.trainer import (DistEnv, MasterWeightAdamW, TrainSettings, build_optimizer,
-                                    graphed_optimizer_step, total_grad_norm)
-    settings = TrainSettings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16")
+    from stages.engine.flat_adamw import FlatMasterAdamW
+    from stages.engine.dist import DistEnv
+    from stages.engine.optim import MasterWeightAdamW, build_optimizer, total_grad_norm
+    from stages.engine.steps import graphed_optimizer_step
+    from engine_helpers import train_settings
+    settings = train_settings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend="gloo")
 
     def net():

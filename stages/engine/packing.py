@@ -7,7 +7,7 @@ so no token ever attends across a boundary and no padding is computed.
 
 Planning is pure and deterministic (a function of lengths, seed and world size only), so every
 rank computes the same global plan and takes its own share; the trainer still confirms the
-per-step counts with a tiny CPU exchange (see trainer.py) before entering collectives.
+per-step counts with a tiny CPU exchange (see stages/engine/loop.py) before entering collectives.
 
 - Training plan: each epoch shuffles pair order with PCG64([seed, epoch]); consecutive groups of
   `global_batch_pairs` form one optimizer step; a step's pairs go to ranks by
@@ -23,6 +23,7 @@ from __future__ import annotations
 import heapq
 import math
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import numpy as np
@@ -80,8 +81,9 @@ class TokenPairs:
             out[s] = i
         return replace(self, score_index=out)
 
-    @property
+    @cached_property
     def seq_lens(self) -> np.ndarray:
+        """Computed once per TokenPairs (the loop and the planner read it every step)."""
         return np.fromiter((len(s) for s in self.seq_ids), dtype=np.int64, count=len(self.seq_ids))
 
     @property
@@ -164,10 +166,6 @@ class StepPlan:
     epoch: int
     epoch_progress: float          # epochs completed after this step (fractional)
     rank_micro_batches: list[list[MicroBatch]]   # [rank][micro-batch] -> pair indices
-
-    def pairs(self, rank: int | None = None) -> int:
-        ranks = range(len(self.rank_micro_batches)) if rank is None else [rank]
-        return sum(len(mb) for r in ranks for mb in self.rank_micro_batches[r])
 
 
 def pack_micro_batches(pair_indices: list[int], pair_tokens: np.ndarray, budget: int,
@@ -261,8 +259,7 @@ class PackedBatch:
     logp_positions [C]: hidden-state positions whose next token is a completion token,
     logp_targets [C]: that next token, logp_seq [C]: its sequence; last_positions [S]: the last
     completion token of each sequence, or its `TokenPairs.score_index` token when set (the reward model's score
-    position: the last token that is not the pad token, see TokenPairs.with_score_positions); seq_pair [S] /
-    seq_is_chosen [S];
+    position: the last token that is not the pad token, see TokenPairs.with_score_positions);
     pair_index [P]: row in TokenPairs (binds every output to its pair_id); pair_weight [P]: 1, or 0
     for the filler micro-batches that keep collectives aligned across ranks.
 
@@ -284,25 +281,20 @@ class PackedBatch:
     logp_targets: torch.Tensor
     logp_seq: torch.Tensor
     last_positions: torch.Tensor
-    seq_pair: torch.Tensor
-    seq_is_chosen: torch.Tensor
     pair_index: torch.Tensor
     pair_weight: torch.Tensor
     cu_seqlens_k: torch.Tensor | None = None
     max_seqlen_k: int = 0
     kv_index: torch.Tensor | None = None
-    n_tokens: int = 0              # real tokens, chosen + rejected sequences (0 for filler): the throughput unit
-    n_pairs: int = 0               # real pairs (0 for filler)
     seq_lens: list[int] = field(default_factory=list)   # full sequence lengths (prompt + completion)
 
     _TENSORS = ("input_ids", "position_ids", "cu_seqlens", "logp_positions", "logp_targets", "logp_seq",
-                "last_positions", "seq_pair", "seq_is_chosen", "pair_index", "pair_weight", "cu_seqlens_k",
+                "last_positions", "pair_index", "pair_weight", "cu_seqlens_k",
                 "kv_index")
 
     def map_tensors(self, fn) -> "PackedBatch":
         kw = {name: (None if getattr(self, name) is None else fn(getattr(self, name))) for name in self._TENSORS}
-        return PackedBatch(**kw, max_seqlen=self.max_seqlen, max_seqlen_k=self.max_seqlen_k, n_tokens=self.n_tokens,
-                           n_pairs=self.n_pairs, seq_lens=self.seq_lens)
+        return PackedBatch(**kw, max_seqlen=self.max_seqlen, max_seqlen_k=self.max_seqlen_k, seq_lens=self.seq_lens)
 
     def pin_memory(self) -> "PackedBatch":
         return self.map_tensors(lambda t: t.pin_memory())
@@ -391,15 +383,11 @@ def build_packed_batch(pairs: TokenPairs, micro_batch: MicroBatch, weight: float
         logp_targets=t(np.concatenate(logp_targets).astype(np.int64)),
         logp_seq=t(np.concatenate(logp_seq).astype(np.int64)),
         last_positions=torch.tensor(last_positions, dtype=torch.int64),
-        seq_pair=torch.arange(n_pairs).repeat_interleave(2),
-        seq_is_chosen=torch.tensor([True, False]).repeat(n_pairs),
         pair_index=torch.tensor(micro_batch, dtype=torch.int64),
         pair_weight=torch.full((n_pairs,), float(weight), dtype=torch.float32),
         cu_seqlens_k=cumsum32(k_lens) if any_shared else None,
         max_seqlen_k=int(max(k_lens)),
         kv_index=t(np.concatenate(kv_parts).astype(np.int64)) if any_shared else None,
-        n_tokens=int(sum(seq_lens)) if weight else 0,
-        n_pairs=n_pairs if weight else 0,
         seq_lens=seq_lens,
     )
 
@@ -487,16 +475,12 @@ def pad_packed_batch(batch: PackedBatch, shape: BatchDims) -> PackedBatch:
         logp_targets=torch.cat([batch.logp_targets, torch.zeros(n_logp, **i64)]),
         logp_seq=torch.cat([batch.logp_seq, torch.full((n_logp,), 2 * p, **i64)]),
         last_positions=torch.cat([batch.last_positions, torch.full((2 * extra,), shape.tokens - 1, **i64)]),
-        seq_pair=torch.arange(shape.pairs).repeat_interleave(2),
-        seq_is_chosen=torch.tensor([True, False]).repeat(shape.pairs),
         pair_index=torch.cat([batch.pair_index, torch.zeros(extra, **i64)]),
         pair_weight=torch.cat([batch.pair_weight, torch.zeros(extra, dtype=batch.pair_weight.dtype)]),
         cu_seqlens_k=torch.cat([cu_k, (k + k_extra.cumsum(0)).to(torch.int32)]) if with_kv else None,
         max_seqlen_k=shape.max_k if with_kv else 0,
         kv_index=torch.cat([kv, torch.arange(t, shape.tokens, **i64), torch.zeros(spare_keys, **i64)])
         if with_kv else None,
-        n_tokens=batch.n_tokens,
-        n_pairs=batch.n_pairs,
         seq_lens=list(batch.seq_lens) + [pad, 0] + [0, 0] * (extra - 1),
     )
 

@@ -1,6 +1,6 @@
 """The two preference objectives: DPO (with a frozen reference, or reference-free) and a pairwise reward model.
 
-Each objective tells the shared trainer (trainer.py) four things: which model to build from the
+Each objective tells the shared training loop (stages/engine/loop.py) four things: which model to build from the
 reference directory, the per-pair loss and metrics from the model's per-sequence outputs, the
 probe JSONL rows, and what to export. The formulas follow the papers / TRL line by line:
 
@@ -23,6 +23,8 @@ trainer; accuracy counts a tie (margin exactly 0) as 0.5 and ties are reported s
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pac
@@ -31,12 +33,43 @@ import torch.nn.functional as F
 
 from stages.lib.contracts import correct_label
 from stages.lib.io import sha256_bytes, sha256_json
-from stages.lib.modeling import SequenceLogProbs, SequenceRewards, load_causal_lm, load_reward_model
-from stages.lib.packing import PackedBatch, TokenPairs
+from stages.engine.modeling import SequenceLogProbs, SequenceRewards, load_causal_lm, load_reward_model
+from stages.engine.packing import PackedBatch, TokenPairs
 
 
 class RefLogpsError(ValueError):
     """ref_logps.parquet does not match the token data it is used with."""
+
+
+class Objective(Protocol):
+    """What the training loop (stages/engine/loop.py) asks of an objective; DPOObjective and RewardObjective
+    implement it, and a new objective implements exactly this."""
+
+    name: str                          # run_info's `objective`
+    head: str                          # "lm_head" (exports a causal LM) | "score" (a sequence classifier)
+    metric_names: tuple[str, ...]      # the per-pair terms pair_terms returns, "loss" and "accuracy" first
+
+    def fingerprint(self) -> dict:
+        """What of this objective shapes the trajectory (checkpoints resume only a run with the same one)."""
+
+    def build_module(self, model_dir, train_settings) -> torch.nn.Module:
+        """The module the loop trains: a model from the reference directory and how its outputs are read."""
+
+    def hf_model(self, module: torch.nn.Module) -> torch.nn.Module:
+        """The Hugging Face model inside `module` (what is exported)."""
+
+    def prepare_pairs(self, hf: torch.nn.Module, pairs: TokenPairs) -> TokenPairs:
+        """The token pairs as this objective reads them (e.g. a reward model's score positions)."""
+
+    def to(self, device: torch.device) -> "Objective":
+        """Move any tensors the objective holds (e.g. reference log-probs) to the device."""
+
+    def pair_terms(self, seq_out: torch.Tensor, batch: PackedBatch, split: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(per-pair losses [P], per-pair metrics [P, len(metric_names)]) from the module's outputs; device-side,
+        no host sync (it runs inside CUDA graphs)."""
+
+    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray) -> list[dict]:
+        """The probe JSONL rows (manifest order) from the inference pass's [pairs, 2] outputs."""
 
 
 def tie_aware_accuracy(margin: torch.Tensor) -> torch.Tensor:

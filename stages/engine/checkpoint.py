@@ -8,7 +8,6 @@ rule's declared outputs so Snakemake/DVC never delete it before a rerun):
         model.pt | model/     DDP: torch.save of the module state dict (replicas are identical, rank 0
                               writes); FSDP2: a torch.distributed.checkpoint (DCP) directory of shards
         optimizer.pt | optimizer/
-        scheduler.pt
         trainer_state.json    step, tokens, the train-log rows so far (flushed before the save)
         probe_step0.jsonl     step-0 probe rows: a resumed run rewrites its output from these
         rng/rank00000.pt ...  python, numpy, torch CPU (+ CUDA) RNG states of every rank
@@ -54,7 +53,7 @@ from stages.lib.io import read_json, sha256_file, sha256_json, write_jsonl
 
 log = logging.getLogger("checkpoint")
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2      # 2: no scheduler.pt (the learning rate is a function of the step)
 META = "meta.json"
 TMP_PREFIX = ".tmp-"
 # Every objective a checkpoint of ours can carry -> (role, head kind). A value-head critic or a plain
@@ -210,7 +209,7 @@ def list_checkpoints(directory) -> tuple[list[tuple[int, Path, dict]], list[Path
 
 
 def required_parts(meta: dict) -> dict[str, list[str]]:
-    return {"model": [], "optimizer": [], "scheduler": [], "trainer_state": [], "probe_step0": [],
+    return {"model": [], "optimizer": [], "trainer_state": [], "probe_step0": [],
             "rng": [f"rng/rank{r:05d}.pt" for r in range(int(meta.get("world_size", 0)))]}
 
 
@@ -339,7 +338,7 @@ def _test_hook(point: str, step: int) -> None:
 
 
 def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, trainer_state: dict,
-                    probe_step0_rows: list[dict], module, optimizer, scheduler, settings, env, keep: int) -> Path:
+                    probe_step0_rows: list[dict], module, optimizer, settings, env, keep: int) -> Path:
     """Collective: every rank calls it after the same optimizer step. Returns the checkpoint path."""
     directory = Path(directory)
     fp = fingerprint(header)
@@ -364,7 +363,6 @@ def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, tra
         model_part, optim_part = "model.pt", "optimizer.pt"
     torch.save(rng_state(env.device), tmp / "rng" / f"rank{env.rank:05d}.pt")
     if env.is_main:
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         # Not canonical_json: the log rows keep their column order (train_log.csv's header comes from it).
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, allow_nan=False) + "\n", encoding="utf-8")
         write_jsonl(tmp / "probe_step0.jsonl", probe_step0_rows)
@@ -377,7 +375,7 @@ def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, tra
         import transformers
         meta = {**header, "fingerprint": fp, "step": step, "total_steps": total_steps,
                 "tokens": trainer_state["tokens"],
-                "parts": {"model": model_part, "optimizer": optim_part, "scheduler": "scheduler.pt",
+                "parts": {"model": model_part, "optimizer": optim_part,
                           "trainer_state": "trainer_state.json", "probe_step0": "probe_step0.jsonl",
                           "rng": [f"rng/rank{r:05d}.pt" for r in range(env.world_size)]},
                 "files": {rel: sha256_file(tmp / rel) for rel in files},
@@ -406,8 +404,9 @@ def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, tra
 # Load
 # ----------------------------------------------------------------------------------------------
 
-def load_checkpoint(path: Path, meta: dict, *, module, optimizer, scheduler, settings, env) -> tuple[dict, list[dict]]:
-    """Restore model, optimizer, scheduler and this rank's RNG in place (collective under FSDP2).
+def load_checkpoint(path: Path, meta: dict, *, module, optimizer, settings, env) -> tuple[dict, list[dict]]:
+    """Restore model, optimizer and this rank's RNG in place (collective under FSDP2); the learning rate is a
+    function of the step (engine/optim.LRSchedule), so nothing else is needed.
     Returns (trainer_state {step, tokens, log_rows}, step-0 probe rows)."""
     path = Path(path)
     try:
@@ -424,7 +423,6 @@ def load_checkpoint(path: Path, meta: dict, *, module, optimizer, scheduler, set
         else:
             module.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
-        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: state does not fit this run's model/optimizer: {e}") from e
     trainer_state = json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))

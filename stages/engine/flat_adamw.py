@@ -28,7 +28,7 @@ import time
 
 import torch
 
-from stages.lib import kernels
+from stages.engine import kernels
 
 ALIGN = 128            # each group's range starts at, and spans, a multiple of this (aligned vector loads)
 ADAM_BLOCK = 2048

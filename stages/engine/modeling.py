@@ -17,7 +17,7 @@ never exist (see DESIGN.md "Kernel facts"). Per-sequence sums are float64.
 
 Fused kernels (`use_fused_kernels`, on CUDA only; CPU keeps HF's forward bit for bit): Qwen2/Llama-style
 RMSNorm through torch's fused kernel; the rotary embedding of q/k and the MLP's silu(gate) * up through the
-Triton kernels of stages/lib/kernels.py; q|k|v and gate|up as one GEMM each (GroupedLinear: per layer 3 and
+Triton kernels of stages/engine/kernels.py; q|k|v and gate|up as one GEMM each (GroupedLinear: per layer 3 and
 2 projections of the same input, and in a 0.5B step the k/v GEMMs are only 128 columns wide).
 
 Reward model: AutoModelForSequenceClassification (num_labels=1) = the causal-LM body + `score`
@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from stages.lib import kernels
+from stages.engine import kernels
 
 PACKED_ATTENTION = "prefpipe_packed_varlen"
 
@@ -87,7 +87,7 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     """
     if cu_seq_lens_q is None or max_length_q is None:
         raise RuntimeError(f"{PACKED_ATTENTION} needs cu_seq_lens_q/max_length_q: call the model through "
-                           "stages.lib.modeling (packed batches), not a plain forward")
+                           "stages.engine.modeling (packed batches), not a plain forward")
     if attention_mask is not None:
         raise RuntimeError(f"{PACKED_ATTENTION} got an attention mask; packed batches are delimited by cu_seqlens only")
     if sliding_window is not None:
@@ -220,7 +220,7 @@ def _fusable_projection_input(x: torch.Tensor, layers: list[nn.Linear]) -> bool:
 
 
 def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    """gate|up as one GEMM and silu(gate) * up as one Triton kernel each way on CUDA (stages/lib/kernels.py);
+    """gate|up as one GEMM and silu(gate) * up as one Triton kernel each way on CUDA (stages/engine/kernels.py);
     HF's forward elsewhere."""
     if not kernels.available(x):
         return type(self).forward(self, x)
@@ -283,7 +283,7 @@ def _fused_rotary(original):
 
 def use_fused_kernels(model: nn.Module) -> dict:
     """Route a loaded model's norms, SiLU-gated MLPs and rotary embedding through fused kernels on CUDA
-    (RMSNorm: torch's; the others: stages/lib/kernels.py when Triton is importable). Every routed call falls
+    (RMSNorm: torch's; the others: stages/engine/kernels.py when Triton is importable). Every routed call falls
     back to HF's own code on CPU, so CPU results are bit-identical. The rotary routing replaces the function
     in the attention class's transformers module (it is a module-level function there, called by name), for
     every model of that class in this process. Returns how many modules of each kind were routed."""
@@ -491,8 +491,17 @@ def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Modul
     if is_classifier and config.num_labels != 1:
         raise ModelLoadError(f"{model_dir}: a classification head with num_labels={config.num_labels} "
                              "is not a scalar reward head")
-    model, info = AutoModelForSequenceClassification.from_pretrained(
-        model_dir, num_labels=1, dtype=dtype, attn_implementation=PACKED_ATTENTION, output_loading_info=True)
+    from transformers.utils import logging as hf_logging
+    # A new `score` head is expected (checked below, body keys refused when missing): transformers' load
+    # report would say so in the stage log, with the model's absolute path and only in some environments
+    # (CI=true), which would make the hashed log differ between checkouts.
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        model, info = AutoModelForSequenceClassification.from_pretrained(
+            model_dir, num_labels=1, dtype=dtype, attn_implementation=PACKED_ATTENTION, output_loading_info=True)
+    finally:
+        hf_logging.set_verbosity(verbosity)
     missing = [k for k in info.get("missing_keys", []) if not k.startswith("score.")]
     if missing:
         raise ModelLoadError(f"{model_dir}: body weights missing from the checkpoint: {sorted(missing)[:8]}")

@@ -11,7 +11,7 @@ pass over memory. Here each is one kernel forward and one backward, computing in
 The routing (modeling.use_fused_kernels) sends a call here only on CUDA with Triton importable; CPU and
 anything unusual keep HF's own code. `warm_up` compiles every kernel variant a run uses before it is timed
 (Triton compiles on first launch and caches on disk). The flat AdamW's three kernels live here too; their
-caller, layout and warm-up are stages/lib/flat_adamw.py.
+caller, layout and warm-up are stages/engine/flat_adamw.py.
 """
 from __future__ import annotations
 
@@ -135,7 +135,7 @@ if triton is not None:
         tl.store(dx_ptr + t * 2 * width + j, dg.to(dx_ptr.dtype.element_ty), mask=mask)
         tl.store(dx_ptr + t * 2 * width + width + j, du.to(dx_ptr.dtype.element_ty), mask=mask)
 
-    # -- AdamW over flat fp32 master / moment buffers (stages/lib/flat_adamw.py) ------------------------
+    # -- AdamW over flat fp32 master / moment buffers (stages/engine/flat_adamw.py) ------------------------
     @triton.jit
     def _sumsq_kernel(x_ptr, partial_ptr, n, BLOCK: tl.constexpr):
         """partial[p] = sum of x^2 over block p (fp32): stage one of the gradient norm."""

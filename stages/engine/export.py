@@ -1,0 +1,103 @@
+"""The trained model as a Hugging Face directory others load: a causal LM (DPO) or a sequence-classification
+model with its scalar head (RM), tokenizer files beside it, a reward model's tokenizer padding with the id
+its pooling skips. Refuses an export that would not carry the head its objective trained.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch.distributed as dist
+from torch import nn
+
+from stages.engine.dist import DistEnv
+from stages.engine.settings import TrainSettings
+from stages.lib.contracts import TOKENIZER_FILES
+from stages.engine.modeling import TOKENIZER_MARKERS
+
+
+class ExportError(ValueError):
+    """The model to export does not carry the head its objective trained."""
+
+
+def check_export_head(hf: nn.Module, head: str) -> None:
+    """A reward model exports only as a sequence-classification model with its scalar `score` head (a
+    causal-LM export would silently drop the head) and a pad_token_id (HF's pooling reads the last token
+    != it, as training did); a policy only as a causal LM with its LM head."""
+    cls = type(hf).__name__
+    if head == "score":
+        score = getattr(hf, "score", None)
+        if not cls.endswith("ForSequenceClassification") or not isinstance(score, nn.Linear) or score.out_features != 1:
+            raise ExportError(f"refusing to export a reward model as {cls}: only a sequence-classification model "
+                              "with a scalar `score` head (num_labels=1) keeps the trained head")
+        if hf.config.pad_token_id is None:
+            raise ExportError("refusing to export a reward model without config.pad_token_id: HF's pooling would "
+                              "read another token than the one trained (the last token != the pad id)")
+    elif head == "lm_head":
+        if cls.endswith(("ForSequenceClassification", "ForTokenClassification")) or hf.get_output_embeddings() is None:
+            raise ExportError(f"refusing to export a policy as {cls}: a DPO policy exports as a causal LM with its "
+                              "LM head")
+    else:
+        raise ExportError(f"refusing to export: unknown head kind {head!r}")
+
+
+def export_tokenizer_pad(export_dir: Path, pad_token_id: int) -> None:
+    """A reward model's exported tokenizer pads with config.pad_token_id, the id HF's pooling skips, so a
+    batch right-padded by the tokenizer scores as trained. A tokenizer without a pad token (GPT-2, Llama)
+    gets the token of that id (EOS, as the trainer chose) written into tokenizer_config.json (and
+    special_tokens_map.json, if any); every other tokenizer file stays as copied. Checked by loading it back."""
+    export_dir = Path(export_dir)
+    if not any((export_dir / name).exists() for name in TOKENIZER_MARKERS):
+        return                                     # no tokenizer to export: the config alone decides
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(export_dir))
+    if tok.pad_token_id is None:
+        token = tok.convert_ids_to_tokens(int(pad_token_id))
+        for name in ("tokenizer_config.json", "special_tokens_map.json"):
+            path = export_dir / name
+            if path.exists() or name == "tokenizer_config.json":
+                cfg = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+                cfg["pad_token"] = token
+                path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        tok = AutoTokenizer.from_pretrained(str(export_dir))
+    if tok.pad_token_id != pad_token_id:
+        raise ExportError(f"refusing to export a reward model whose tokenizer pads with id {tok.pad_token_id} "
+                          f"({tok.pad_token!r}) while config.pad_token_id = {pad_token_id}: a padded batch would "
+                          "be scored at another token than the one trained")
+
+
+def export_model(module: nn.Module, objective, settings: TrainSettings, env: DistEnv, src_dir: Path,
+                 out_dir: Path) -> None:
+    """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM).
+    Tokenizer files are copied from the source directory so the export is usable on its own; a reward
+    model's tokenizer pads with its config.pad_token_id (export_tokenizer_pad)."""
+    hf = objective.hf_model(module)
+    check_export_head(hf, objective.head)
+    state = None
+    if settings.parallel == "fsdp2":   # collective: every rank takes part
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+        full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        prefix = next(name for name, child in module.named_children() if child is hf) + "."
+        state = {k[len(prefix):]: v for k, v in full.items() if k.startswith(prefix)}
+        # The gathered copies no longer share storage: drop the aliases of tied weights (lm_head = embeddings)
+        # so the export has the same tensors as a DDP run's.
+        first_name: dict[int, str] = {}
+        for name, p in hf.named_parameters(remove_duplicate=False):
+            if first_name.setdefault(id(p), name) != name:
+                state.pop(name, None)
+    if env.is_main:
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        hf.save_pretrained(tmp, state_dict=state)
+        # The tokenizer (every file contracts.TOKENIZER_FILES names) and the generation defaults beside it.
+        for name in (*TOKENIZER_FILES, "generation_config.json"):
+            if (Path(src_dir) / name).exists() and not (tmp / name).exists():
+                shutil.copy2(Path(src_dir) / name, tmp / name)
+        if objective.head == "score":
+            export_tokenizer_pad(tmp, hf.config.pad_token_id)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.replace(tmp, out_dir)
+    dist.barrier(group=env.control_group)
+

@@ -1,0 +1,360 @@
+"""The training loop, top to bottom: build the run, probe at step 0, the steps, probe at the end, export.
+
+    run = build_run(...)            model, precision, fused kernels, wrapping, optimizer, plan, resume
+    probe(run, "step0")             every probe pair scored once, rows in manifest order (rank 0 writes)
+    for each planned step:          lr set, steps.step() (eager or CUDA graphs), log row, checkpoint
+    probe(run, "final"); export     the HF directory others load
+    run_info.json / perf            the hashed record, and the timings that stay out of it
+
+One optimizer step, on every rank (stages/engine/steps.py):
+  1. take this rank's micro-batches of the step from the deterministic global plan (packing.py);
+  2. one small CPU (gloo) all_gather of (micro-batches, pairs, tokens) per rank: every rank learns the step's
+     micro-batch count K and the GLOBAL pair count P; ranks with fewer micro-batches run zero-weight
+     fillers so DDP/FSDP collectives always line up;
+  3. forward/backward each micro-batch with loss = sum(per-pair loss) * world_size / P: DDP averages
+     gradients over ranks, so the update equals the single-process one on the same global batch;
+  4. clip, AdamW, device-side finiteness asserts, no host sync;
+  5. one all_reduce of the step's summed metrics, read on the host once per log window.
+
+Checkpoints (stages/engine/checkpoint.py) hold model, optimizer, RNG (per rank), step, tokens and log rows; the
+plan and the learning rate being pure functions of the step, a resumed run starts the loop at
+`plans[state.step]` with the same batches and RNG: the same weights bit for bit on CPU.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from stages.engine.cli import _progress_bar
+from stages.engine.data import prefetch_batches, run_inference
+from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
+                                seed_everything, wrap_model)
+from stages.engine.export import export_model
+from stages.engine.objectives import Objective
+from stages.engine.optim import LRSchedule, MasterWeightAdamW, build_optimizer
+from stages.engine.settings import TrainConfigError, TrainSettings
+from stages.engine.steps import make_steps
+from stages.engine.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint, run_header,
+                                   save_checkpoint)
+from stages.lib.environment import environment_record
+from stages.lib.io import MEASUREMENT, write_json, write_jsonl, write_text
+from stages.engine.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
+from stages.engine.packing import StepPlan, TokenPairs, plan_training
+from stages.engine.step_profiler import StepProfiler
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class TrainState:
+    step: int = 0                      # optimizer steps completed
+    tokens: int = 0                    # real tokens trained on (all ranks)
+    log_rows: list[dict] = field(default_factory=list)
+
+
+def plan_summary(plans: list[StepPlan], pairs: TokenPairs, world_size: int) -> list[dict]:
+    tokens = pairs.pair_tokens
+    out = []
+    for r in range(world_size):
+        mbs = [mb for s in plans for mb in s.rank_micro_batches[r]]
+        fillers = sum(max(len(x) for x in s.rank_micro_batches) - len(s.rank_micro_batches[r]) for s in plans)
+        out.append({"rank": r, "pairs": sum(map(len, mbs)), "tokens": int(sum(tokens[mb].sum() for mb in mbs)),
+                    "micro_batches": len(mbs), "filler_micro_batches": fillers})
+    return out
+
+
+def write_train_log(path: Path, rows: list[dict]) -> None:
+    buf = io.StringIO()
+    if rows:
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    write_text(path, buf.getvalue())
+
+
+def split_measurements(info: dict) -> tuple[dict, dict]:
+    """(facts, measurements), at any depth: keys ending in `_seconds` are timings, which vary run to run."""
+    facts, times = {}, {}
+    for k, v in info.items():
+        if k.endswith("_seconds"):
+            times[k] = v
+        elif isinstance(v, dict):
+            facts[k], inner = split_measurements(v)
+            if inner:
+                times[k] = inner
+        else:
+            facts[k] = v
+    return facts, times
+
+
+
+@dataclass
+class Run:
+    """Everything one training run holds between its phases."""
+    objective: Objective
+    settings: TrainSettings
+    env: DistEnv
+    module: nn.Module                  # the objective's module (HF model + how outputs are read)
+    hf: nn.Module                      # the Hugging Face model inside it (what is exported)
+    model: nn.Module                   # the module as wrapped for the run (DDP / FSDP2 / itself)
+    optimizer: torch.optim.Optimizer
+    schedule: LRSchedule
+    plans: list[StepPlan]
+    train_pairs: TokenPairs
+    probe_pairs: TokenPairs
+    out_dir: Path
+    n_params: int
+    kernel_warmup_s: float
+    state: TrainState
+    header: dict | None = None         # the run's identity for checkpoints (None: none are read or written)
+    resumed: tuple | None = None       # (path, meta) of the checkpoint resumed from
+    step0_rows: list[dict] | None = None
+    saved_checkpoints: list[int] = field(default_factory=list)
+
+
+def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
+              probe_pairs: TokenPairs, out_dir: Path, ckpt: CheckpointOptions) -> Run:
+    """Model (seeded head), precision, fused kernels compiled, wrapping, optimizer, plan; resumed when a
+    checkpoint of this exact run exists."""
+    seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
+    module = objective.build_module(model_dir, settings)
+    hf = objective.hf_model(module)
+    # A reward model's score positions follow its pad id (HF's pooling): set, or refused, before any work.
+    train_pairs, probe_pairs = objective.prepare_pairs(hf, train_pairs), objective.prepare_pairs(hf, probe_pairs)
+    disable_dropout(module)
+    if settings.activation_checkpointing:
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    module.to(env.device)
+    masters = None
+    if compute_dtype(settings) != torch.float32:
+        # The fp32 values become the optimizer's masters (it makes its own copies). `.to(dtype)` gives each
+        # parameter new bf16 data and these views keep the old fp32 storage alive until then: no extra copy.
+        masters = {id(p): p.detach() for p in module.parameters()}
+        module.to(dtype=compute_dtype(settings))
+    objective.to(env.device)
+    # Triton compiles a kernel on its first launch: do it now, not inside the timed loop's first step.
+    mixed = env.device.type == "cuda" and settings.precision in ("bf16", "autocast")
+    kernel_warmup_s = warm_up_fused_kernels(hf, env.device, torch.bfloat16 if mixed else torch.float32,
+                                            torch.float32 if settings.precision == "autocast" else None)
+    plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
+                          global_batch_pairs=settings.global_batch_pairs,
+                          micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
+    model = wrap_model(module, hf, settings, env)
+    optimizer = build_optimizer(module, settings, env, masters)   # after wrapping: FSDP2 replaces the parameters
+    del masters
+    run = Run(objective, settings, env, module, hf, model, optimizer,
+              LRSchedule(settings, len(plans)), plans, train_pairs, probe_pairs, Path(out_dir),
+              sum(p.numel() for p in module.parameters()), kernel_warmup_s, TrainState())
+    if ckpt.directory is not None or ckpt.resume not in ("auto", "never"):
+        # Rank 0's header (the reference digest is computed there only); every rank names files by it.
+        box = [run_header(objective, settings, env, hf, train_pairs, probe_pairs, ckpt.reference)
+               if env.is_main else None]
+        if env.world_size > 1:
+            dist.broadcast_object_list(box, src=0, group=env.control_group)
+        run.header = box[0]
+        run.resumed = agree_on_checkpoint(ckpt, run.header, env)
+    if run.resumed is not None:
+        saved, run.step0_rows = load_checkpoint(*run.resumed, module=module, optimizer=optimizer, settings=settings,
+                                                env=env)
+        run.state = TrainState(step=saved["step"], tokens=saved["tokens"], log_rows=saved["log_rows"])
+        log.info("resuming from %s: %d of %d optimizer steps done", run.resumed[0], run.state.step, len(plans))
+    log.info("objective %s: %d train pairs, %d probe pairs, %d optimizer steps, world %d (%s, %s), %.2fM params, "
+             "attention %s", objective.name, len(train_pairs), len(probe_pairs), len(plans), env.world_size,
+             env.backend, settings.parallel, run.n_params / 1e6,
+             attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32))
+    return run
+
+
+def probe(run: Run, name: str) -> list[dict] | None:
+    """Score every probe pair once (all ranks); rank 0 writes probe_<name>.jsonl and returns the rows."""
+    outputs = run_inference(run.model, run.probe_pairs, run.env, run.settings, desc=f"probe {name}")
+    if not run.env.is_main:
+        return None
+    rows = run.objective.probe_rows(run.probe_pairs, outputs)
+    write_jsonl(run.out_dir / f"probe_{name}.jsonl", rows)
+    log.info("probe %s: accuracy %.4f over %d pairs", name, float(np.mean([r["correct"] for r in rows])), len(rows))
+    return rows
+
+
+class TrainLog:
+    """The per-step log rows. Values stay on the device until a flush (every `every` steps and at the end):
+    one device->host read per window instead of one per step, so the host keeps queueing work ahead of the GPU.
+    Throughput is a measurement, not a result: it goes to the perf record and the console, never into
+    train_log.csv or the stage log, whose bytes are part of the hashed record."""
+
+    def __init__(self, run: Run):
+        self.run, self.rows = run, run.state.log_rows
+        self.every = max(1, len(run.plans) // 20)
+        self.pending: list[tuple[dict, torch.Tensor]] = []
+        self.window_start, self.window_tokens = time.perf_counter(), 0
+        self.throughput: list[dict] = []
+        self.progress = _progress_bar(len(run.plans), run.state.step, run.env)
+
+    def add(self, row: dict, values: torch.Tensor) -> None:
+        self.pending.append((row, values))
+        self.window_tokens += row["tokens"]
+        self.progress.update(1)
+        if row["step"] == len(self.run.plans) or row["step"] % self.every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        names = self.run.objective.metric_names
+        values = torch.stack([v for _, v in self.pending]).tolist()
+        now = time.perf_counter()
+        tok_s = round(self.window_tokens / max(now - self.window_start, 1e-9), 1)
+        for (row, _), vals in zip(self.pending, values):
+            row.update({name: vals[i] / row["pairs"] for i, name in enumerate(names)})
+            row["grad_norm"] = vals[-1]
+            self.rows.append({k: row[k] for k in ["step", "epoch", *names, "lr", "grad_norm", "pairs", "tokens"]})
+        last = self.rows[-1]
+        self.throughput.append({"step": last["step"], "tokens_per_s": tok_s})
+        self.progress.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", refresh=False)
+        if self.run.env.is_main:
+            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g",
+                     last["step"], len(self.run.plans), last["epoch"], last["loss"], last["accuracy"],
+                     last["margin"], last["lr"], last["grad_norm"])
+            log.info("step %d tok/s %.0f", last["step"], tok_s, extra=MEASUREMENT)
+        self.pending.clear()
+        self.window_start, self.window_tokens = now, 0
+
+    def close(self) -> None:
+        self.flush()
+        self.progress.close()
+
+
+def save(run: Run, ckpt: CheckpointOptions) -> None:
+    state = run.state
+    save_checkpoint(ckpt.directory, header=run.header, step=state.step, total_steps=len(run.plans),
+                    trainer_state={"step": state.step, "tokens": state.tokens, "log_rows": state.log_rows},
+                    probe_step0_rows=run.step0_rows, module=run.module, optimizer=run.optimizer,
+                    settings=run.settings, env=run.env, keep=run.settings.keep_checkpoints)
+    run.saved_checkpoints.append(state.step)
+
+
+def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
+          probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
+          environment: dict | None = None, perf_path: Path | None = None) -> dict:
+    """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
+    export; returns run_info plus its `perf` (rank 0 writes files).
+
+    run_info.json holds only what the same commit, params, data and environment reproduce byte for byte
+    (it is an artifact hashed in dvc.lock and the evidence); timings, throughput and memory go to
+    `perf_path` (the rule's `*.perf.json` log, outside the hashed record)."""
+    t_start = time.perf_counter()
+    ckpt = checkpoint or CheckpointOptions(directory=None, resume="never")
+    if settings.save_every and ckpt.directory is None:
+        raise TrainConfigError(f"train.save_every = {settings.save_every} needs a checkpoint directory "
+                               "(--checkpoint-dir, outside the stage's declared outputs)")
+    if env.is_main:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+    run = build_run(objective, settings, env, model_dir, train_pairs, probe_pairs, out_dir, ckpt)
+    state, plans, pair_tokens = run.state, run.plans, run.train_pairs.pair_tokens
+
+    if run.resumed is None:
+        run.step0_rows = probe(run, "step0")
+    elif env.is_main:   # the step-0 model is gone; its probe rows were saved with the checkpoint
+        write_jsonl(run.out_dir / "probe_step0.jsonl", run.step0_rows)
+
+    run.model.train()
+    my_micro_batches = [mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank]]
+    steps = make_steps(run.model, run.module, run.hf, objective, run.optimizer, settings, env, run.train_pairs,
+                       my_micro_batches, run.n_params)
+    batches = prefetch_batches(run.train_pairs, my_micro_batches, pin=env.device.type == "cuda",
+                               share_prompt=settings.share_prompt, pad_to=steps.pad_to)
+    train_log = TrainLog(run)
+    profiler = StepProfiler.from_env(env.device, env.is_main, state.step)   # PREFPIPE_PROFILE: off by default
+    t_train = time.perf_counter()
+    with steps.loop_context():
+        for plan in plans[state.step:]:
+            if profiler is not None:
+                profiler.before_step(state.step)
+            mine = plan.rank_micro_batches[env.rank]
+            n_micro, global_pairs, global_tokens = control_exchange(
+                env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
+            lr = run.schedule.apply(run.optimizer, state.step)
+            values = steps.step(n_micro, len(mine), batches, env.world_size / global_pairs)
+            state.step += 1
+            state.tokens += global_tokens
+            if profiler is not None:
+                profiler.after_step(state.step - 1)
+            train_log.add({"step": state.step, "epoch": round(plan.epoch_progress, 6), "lr": lr,
+                           "pairs": global_pairs, "tokens": global_tokens}, values)
+            if settings.save_every and (state.step % settings.save_every == 0 or state.step == len(plans)):
+                train_log.flush()                # the saved log rows must reach exactly this step
+                save(run, ckpt)
+    if profiler is not None:
+        profiler.finish(state.step)
+    graph_info = steps.finish()
+    train_log.close()
+    train_seconds = time.perf_counter() - t_train
+
+    probe(run, "final")
+    if isinstance(run.optimizer, MasterWeightAdamW):
+        # Export the fp32 masters (what was trained), not their bf16 working copies.
+        with torch.no_grad():
+            run.module.float()
+            torch._foreach_copy_(run.optimizer.model_params, run.optimizer.master_params)
+    export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model")
+    return write_records(run, graph_info, environment, perf_path, train_log.throughput, train_seconds,
+                         time.perf_counter() - t_start)
+
+
+def write_records(run: Run, graph_info: dict, environment: dict | None, perf_path: Path | None,
+                  throughput: list[dict], train_seconds: float, wall_seconds: float) -> dict:
+    """run_info.json (facts only, hashed) and the perf record (measurements); returns both."""
+    env, settings, state = run.env, run.settings, run.state
+    peaks = [None] * env.world_size
+    dist.all_gather_object(peaks, peak_memory_bytes(env), group=env.control_group)
+    graph_facts, graph_times = split_measurements(graph_info)
+    run_info = {
+        "objective": run.objective.name,
+        "head": run.objective.head,
+        "world_size": env.world_size,
+        "backend": env.backend,
+        "device": env.device.type,
+        "parallel": settings.parallel,
+        "attention": sorted(USED_BACKENDS),
+        "cuda_graphs": graph_facts,
+        "fused_kernels": dict(getattr(run.hf, "prefpipe_fused_kernels", {})),
+        **({"reward_scoring": run.objective.scoring_info(run.hf)} if run.objective.head == "score" else {}),
+        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+        "model_parameters": run.n_params,
+        "train_pairs": len(run.train_pairs),
+        "probe_pairs": len(run.probe_pairs),
+        "optimizer_steps": len(run.plans),
+        "resumed_from_step": run.resumed[1]["step"] if run.resumed is not None else None,
+        "checkpoints_saved": run.saved_checkpoints,
+        "per_rank": plan_summary(run.plans, run.train_pairs, env.world_size),
+        "total_tokens": state.tokens,
+        # The record the numbers were made under (stages/lib/environment.py): versions, CPU dispatch, GPU.
+        "environment": environment if environment is not None else environment_record(asdict(settings)),
+    }
+    perf = {
+        "train_seconds": round(train_seconds, 3),
+        "wall_seconds": round(wall_seconds, 3),
+        "tokens_per_s": round(state.tokens / max(train_seconds, 1e-9), 1),
+        "throughput_windows": throughput,
+        "peak_memory_bytes_per_rank": peaks,
+        "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "cpu_max_rss",
+        "kernel_warmup_seconds": round(run.kernel_warmup_s, 3),
+        "cuda_graphs": graph_times,
+    }
+    if env.is_main:
+        write_train_log(run.out_dir / "train_log.csv", state.log_rows)
+        write_json(run.out_dir / "run_info.json", run_info)
+        if perf_path is not None:
+            write_json(perf_path, perf)
+        log.info("trained %d tokens in %.1f s (%.0f tok/s); peak memory %.2f GiB per rank (%s)", state.tokens,
+                 train_seconds, perf["tokens_per_s"], max(peaks) / 2**30, perf["peak_memory_kind"], extra=MEASUREMENT)
+    return {**run_info, "perf": perf}

@@ -1,0 +1,155 @@
+"""Both optimizers and the learning rate.
+
+- AdamW (torch's, fused on CUDA) over the module's parameters, weight decay on matrices only;
+- MasterWeightAdamW: AdamW over fp32 master copies of bf16 weights (train.precision bf16);
+- the flat Triton AdamW of the CUDA-graph path lives in stages/engine/flat_adamw.py (it takes one of these over);
+- LRSchedule: HF-style warmup + cosine/linear/constant, set directly on the groups each step;
+- adamw_step_lr_tensor: the fused AdamW update reading its learning rate from a device tensor (capturable).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from stages.engine.dist import DistEnv
+from stages.engine.settings import TrainSettings
+
+
+class MasterWeightAdamW(torch.optim.AdamW):
+    """AdamW over fp32 master copies of a module's bf16 parameters (train.precision bf16 without FSDP2).
+
+    Forward and backward run on the bf16 parameters (no per-op casts); before the step the bf16
+    gradients are copied into the fp32 masters' gradients (`grads_to_master`, where clipping then
+    happens), AdamW updates the masters in fp32, and the masters are copied back to bf16. So an update
+    smaller than bf16's resolution still accumulates (pure bf16 AdamW, as a bf16 model under HF Trainer,
+    silently drops it). state_dict() carries the masters: a resume restores them exactly.
+    """
+
+    def __init__(self, groups: list[dict], masters: dict[int, torch.Tensor], **kw):
+        """masters: id(param) -> its fp32 value, taken BEFORE the module was cast to bf16."""
+        self.model_params = [p for g in groups for p in g["params"]]
+        masters = {id(p): masters[id(p)].detach().float().clone().requires_grad_(True) for p in self.model_params}
+        super().__init__([{**g, "params": [masters[id(p)] for p in g["params"]]} for g in groups], **kw)
+        self.master_params = [masters[id(p)] for p in self.model_params]
+
+    @torch.no_grad()
+    def grads_to_master(self) -> None:
+        dst, src = [], []                      # one foreach copy (few launches) instead of one per tensor
+        for p, m in zip(self.model_params, self.master_params):
+            if p.grad is None:
+                m.grad = None
+            elif m.grad is None:
+                m.grad = p.grad.float()
+            else:
+                dst.append(m.grad)
+                src.append(p.grad)
+        if dst:
+            torch._foreach_copy_(dst, src)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = super().step(closure)
+        torch._foreach_copy_(self.model_params, self.master_params)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.model_params:            # the masters' gradient buffers are reused, overwritten each step
+            p.grad = None
+
+    def state_dict(self) -> dict:
+        sd = super().state_dict()
+        sd["master_params"] = [m.detach().clone() for m in self.master_params]
+        # flat_adamw shares one step tensor between all parameters: a state_dict loaded back on the same
+        # device would keep that sharing, and torch's AdamW, which increments each parameter's own step,
+        # would count one step per parameter.
+        sd["state"] = {i: {**st, "step": st["step"].clone()} if "step" in st else st for i, st in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        state_dict = dict(state_dict)
+        masters = state_dict.pop("master_params", None)
+        if masters is None or len(masters) != len(self.master_params):
+            raise ValueError("optimizer state has no fp32 master weights for this model (saved with another "
+                             "train.precision?)")
+        with torch.no_grad():
+            for m, saved in zip(self.master_params, masters):
+                m.copy_(saved)
+            torch._foreach_copy_(self.model_params, self.master_params)
+        super().load_state_dict(state_dict)
+
+
+def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv,
+                    masters: dict[int, torch.Tensor] | None = None) -> torch.optim.AdamW:
+    decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
+    no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    kw = dict(lr=settings.lr, betas=settings.adam_betas, fused=env.device.type == "cuda")
+    if masters is not None:
+        return MasterWeightAdamW(groups, masters, **kw)
+    return torch.optim.AdamW(groups, **kw)
+
+
+def lr_factor(step: int, warmup: int, total: int, schedule: str) -> float:
+    """HF-style schedules (get_{cosine,linear,constant}_schedule_with_warmup): `step` counts
+    completed optimizer steps, so the first step of a warmup runs at factor 0."""
+    if step < warmup:
+        return step / max(1, warmup)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, total - warmup)
+    if schedule == "linear":
+        return max(0.0, 1.0 - progress)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+class LRSchedule:
+    """The learning rate as a pure function of the optimizer steps done, set directly on every parameter group
+    before each step (as nanoGPT's get_lr): lr = train.lr * lr_factor(step). Being a function of the step,
+    a resumed run needs nothing saved but the step."""
+
+    def __init__(self, settings: TrainSettings, total_steps: int):
+        self.base_lr, self.total, self.schedule = settings.lr, total_steps, settings.schedule
+        self.warmup = math.ceil(settings.warmup_ratio * total_steps)
+
+    def lr(self, step: int) -> float:
+        return self.base_lr * lr_factor(step, self.warmup, self.total, self.schedule)
+
+    def apply(self, optimizer: torch.optim.Optimizer, step: int) -> float:
+        lr = self.lr(step)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        return lr
+
+
+def total_grad_norm(params, max_norm: float) -> torch.Tensor:
+    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+@torch.no_grad()
+def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor],
+                         grad_divisor: torch.Tensor | None = None) -> None:
+    """The fused AdamW update of every group, reading each group's learning rate from a device tensor
+    (a captured graph cannot take a new Python float each step). Same kernel and state layout as
+    optimizer.step() with fused=True, so checkpoints are interchangeable. grad_divisor: the kernel divides
+    every gradient by it on the fly (its AMP unscale input), which is how the clip is applied here."""
+    from torch.optim.adamw import adamw as functional_adamw
+    for group, lr in zip(optimizer.param_groups, lrs):
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        for p in params:
+            state = optimizer.state[p]
+            if not state:       # what AdamW(fused=True) creates on its first step
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [optimizer.state[p] for p in params]
+        functional_adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states],
+                                [s["exp_avg_sq"] for s in states], [], [s["step"] for s in states],
+                         foreach=False, capturable=True, differentiable=False, fused=True, grad_scale=grad_divisor,
+                         found_inf=None, has_complex=False, amsgrad=False, beta1=group["betas"][0],
+                         beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
+                         maximize=False)
