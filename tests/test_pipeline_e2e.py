@@ -47,7 +47,8 @@ def copy_checkout(dst: Path) -> Path:
 
 def commit(repo: Path, msg: str) -> None:
     sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "add", "-A", cwd=repo)
-    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", msg, cwd=repo)
+    # --allow-empty: a run that reproduces the committed record changes no tracked file (the golden check).
+    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "--allow-empty", "-qm", msg, cwd=repo)
 
 
 def dvc_changed_stages(repo: Path) -> set[str]:
