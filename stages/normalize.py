@@ -69,14 +69,14 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIRS_SCHEMA, content_hash, pair_id_of
-from stages.lib.io import write_json, write_parquet
+from stages.lib.io import ParquetStreamWriter, write_json, write_parquet
 from stages.lib.params import ParamsError, load_params
 
 # ----------------------------------------------------------------------------------------------
@@ -584,8 +584,14 @@ def resolve_sources(sources: list[dict]) -> list[dict]:
 _BLANK = object()  # sentinel: a whitespace-only jsonl line, skipped and counted
 
 
-def _read_jsonl(data: bytes) -> Iterator[SourceRow]:
-    for i, line in enumerate(data.split(b"\n")):
+def _read_jsonl(lines: Iterable[bytes]) -> Iterator[SourceRow]:
+    """Rows of a jsonl stream: `lines` as a binary file iterates them (each with its b"\\n", except
+    perhaps the last). Lines split on "\\n" only; a trailing "\\r" is dropped, a BOM on line 0 too.
+    A last line without "\\n" that is empty is no line (the final newline does not start another)."""
+    for i, line in enumerate(lines):
+        terminated = line.endswith(b"\n")
+        if terminated:
+            line = line[:-1]
         if i == 0 and line.startswith(b"\xef\xbb\xbf"):
             line = line[3:]
         if line.endswith(b"\r"):
@@ -597,7 +603,8 @@ def _read_jsonl(data: bytes) -> Iterator[SourceRow]:
                             error=RowRejected("json", f"line is not valid UTF-8 ({e.reason} at byte {e.start})"))
             continue
         if not text.strip():
-            yield SourceRow(i, text, error=None, value=_BLANK)
+            if terminated or text:
+                yield SourceRow(i, text, error=None, value=_BLANK)
             continue
         try:
             yield SourceRow(i, text, value=json.loads(text))
@@ -605,8 +612,13 @@ def _read_jsonl(data: bytes) -> Iterator[SourceRow]:
             yield SourceRow(i, text, error=RowRejected("json", f"invalid JSON: {e.msg} at column {e.colno}"))
 
 
-def read_source_rows(path: str | Path) -> list[SourceRow]:
-    """Every row of one source file. Raises SourceError when the file as a whole is unreadable."""
+PARQUET_READ_ROWS = 4096
+
+
+def iter_source_rows(path: str | Path) -> Iterator[SourceRow]:
+    """Every row of one source file, read as it is consumed (jsonl line by line, parquet by record
+    batch; a .json document is one JSON value, parsed whole). Raises SourceError when the file as a
+    whole is unreadable (also part-way: a truncated .gz or corrupt parquet page)."""
     path = str(path)
     kind = file_kind(path)
     p = Path(path)
@@ -614,23 +626,33 @@ def read_source_rows(path: str | Path) -> list[SourceRow]:
         raise SourceError(f"{path}: source file not found (cwd-relative paths; cwd = {Path.cwd()})")
     try:
         if kind == "parquet":
-            table = pq.read_table(p)
-            return [SourceRow(i, _raw_json(r), value=r) for i, r in enumerate(table.to_pylist())]
+            i = 0
+            for batch in pq.ParquetFile(p).iter_batches(batch_size=PARQUET_READ_ROWS):
+                for r in batch.to_pylist():
+                    yield SourceRow(i, _raw_json(r), value=r)
+                    i += 1
+            return
+        if kind.startswith("jsonl"):
+            with (gzip.open(p, "rb") if kind.endswith(".gz") else open(p, "rb")) as f:
+                yield from _read_jsonl(f)
+            return
         data = gzip.decompress(p.read_bytes()) if kind.endswith(".gz") else p.read_bytes()
     except (OSError, EOFError, pa.ArrowException) as e:
         raise SourceError(f"{path}: cannot read {kind} file: {e}") from e
-    if kind.startswith("jsonl"):
-        rows = list(_read_jsonl(data))
-        if rows and rows[-1].value is _BLANK and rows[-1].raw == "":
-            rows.pop()  # the final newline does not start another line
-        return rows
     try:
         doc = json.loads(data.decode("utf-8-sig"))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise SourceError(f"{path}: not a valid JSON document ({e}); one object per line needs a .jsonl name") from e
     if not isinstance(doc, list):
         raise SourceError(f"{path}: a .json source must be a list of row objects, got {_type(doc)}")
-    return [SourceRow(i, _raw_json(v), value=v) for i, v in enumerate(doc)]
+    del data
+    for i, v in enumerate(doc):
+        yield SourceRow(i, _raw_json(v), value=v)
+
+
+def read_source_rows(path: str | Path) -> list[SourceRow]:
+    """Every row of one source file. Raises SourceError when the file as a whole is unreadable."""
+    return list(iter_source_rows(path))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -660,33 +682,36 @@ def check_source_spec(spec: dict, index: int) -> None:
                           f"{spec['format']!r})")
 
 
-def normalize_sources(sources: list[dict], base_dir: str | Path = ".") -> Normalized:
+def normalize_sources(sources: list[dict], base_dir: str | Path = ".", out: Normalized | None = None) -> Normalized:
     """Read and normalize every source in order (its files in source_paths order); duplicates keep the
-    first (source, file, row)."""
+    first (source, file, row). `out` (default: lists in memory) receives pairs and rejections through
+    `.pairs.append` / `.rejections.append`; normalize_to_files passes sinks that write as they go."""
     sources = resolve_sources(sources)
     for i, spec in enumerate(sources):
         check_source_spec(spec, i)
-    out = Normalized()
-    first_seen: dict[str, tuple[str, str, int]] = {}  # content_hash -> (source, file, row)
+    out = Normalized() if out is None else out
+    first_seen = _FirstSeen()
     per_source = []
     for spec in sources:
         name, pattern, fmt = spec["name"], spec["path"], spec["format"]
         stat = {"name": name, "path": pattern, "format": fmt, "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
                 "rejected": {r: 0 for r in REASONS}, "parsed_as": {}, "files": []}
         for path in source_paths(pattern, base_dir):
-            rows = read_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
-            stat["files"].append({"path": path, "rows": sum(r.value is not _BLANK for r in rows)})
-            _normalize_file(rows, spec, path, stat, out, first_seen)
+            rows = iter_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
+            file_stat = {"path": path, "rows": 0}
+            stat["files"].append(file_stat)
+            _normalize_file(rows, spec, path, stat, file_stat, out, first_seen)
         stat["rejected_total"] = sum(stat["rejected"].values())
         if stat["rows_in"] != stat["pairs_out"] + stat["rejected_total"]:  # nothing may be lost
             raise AssertionError(f"{pattern}: rows_in {stat['rows_in']} != pairs_out {stat['pairs_out']} "
                                  f"+ rejected {stat['rejected_total']}")
         per_source.append(stat)
 
-    out.pairs.sort(key=lambda p: p["pair_id"])
-    for a, b in zip(out.pairs, out.pairs[1:]):
-        if a["pair_id"] == b["pair_id"]:  # distinct content, same 96-bit prefix: refuse, never merge
-            raise AssertionError(f"pair_id collision {a['pair_id']}: {a['content_hash']} vs {b['content_hash']}")
+    if isinstance(out.pairs, list):  # in memory; a streaming sink sorts when it writes (_PairSpill)
+        out.pairs.sort(key=lambda p: p["pair_id"])
+        for a, b in zip(out.pairs, out.pairs[1:]):
+            if a["pair_id"] == b["pair_id"]:  # distinct content, same 96-bit prefix: refuse, never merge
+                raise AssertionError(f"pair_id collision {a['pair_id']}: {a['content_hash']} vs {b['content_hash']}")
     totals = {"sources": len(per_source), "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
               "rejected": {r: 0 for r in REASONS}, "rejected_total": 0}
     for s in per_source:
@@ -698,8 +723,31 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".") -> Normal
     return out
 
 
-def _normalize_file(rows: list[SourceRow], spec: dict, path: str, stat: dict, out: Normalized,
-                    first_seen: dict[str, tuple[str, str, int]]) -> None:
+class _FirstSeen:
+    """content_hash -> where it was first seen (source, file, row), compact for millions of pairs: the
+    key is the digest's 32 bytes, the value one int (file number, row)."""
+
+    def __init__(self):
+        self._where: dict[bytes, int] = {}
+        self._files: list[tuple[str, str]] = []
+        self._file_ids: dict[tuple[str, str], int] = {}
+
+    def get(self, content_hash: str) -> tuple[str, str, int] | None:
+        v = self._where.get(bytes.fromhex(content_hash))
+        if v is None:
+            return None
+        s, f = self._files[v >> 40]
+        return s, f, v & ((1 << 40) - 1)
+
+    def add(self, content_hash: str, source: str, path: str, row: int) -> None:
+        fid = self._file_ids.setdefault((source, path), len(self._files))
+        if fid == len(self._files):
+            self._files.append((source, path))
+        self._where[bytes.fromhex(content_hash)] = (fid << 40) | row
+
+
+def _normalize_file(rows: Iterable[SourceRow], spec: dict, path: str, stat: dict, file_stat: dict,
+                    out: Normalized, first_seen: _FirstSeen) -> None:
     """One file of a source: pairs and rejections appended to `out`, counts to the source's `stat`."""
     name, fmt = spec["name"], spec["format"]
 
@@ -712,23 +760,25 @@ def _normalize_file(rows: list[SourceRow], spec: dict, path: str, stat: dict, ou
         if row.value is _BLANK:
             stat["blank_lines"] += 1
             continue
+        file_stat["rows"] += 1
         stat["rows_in"] += 1
         try:
             if row.error is not None:
                 raise row.error
             pair = normalize_row(row.value, fmt, spec.get("columns"))
-            if pair.content_hash in first_seen:
-                s, f, r = first_seen[pair.content_hash]
+            earlier = first_seen.get(pair.content_hash)
+            if earlier is not None:
+                s, f, r = earlier
                 raise RowRejected("duplicate", f"same prompt, chosen and rejected as {s} {f} row {r}")
             # Keeping both orders of one comparison would train on a preference and its opposite.
-            swapped = content_hash(pair.prompt, pair.rejected, pair.chosen)
-            if swapped in first_seen:
-                s, f, r = first_seen[swapped]
+            earlier = first_seen.get(content_hash(pair.prompt, pair.rejected, pair.chosen))
+            if earlier is not None:
+                s, f, r = earlier
                 raise RowRejected("contradicts", f"{s} {f} row {r} has this prompt with chosen and rejected swapped")
         except RowRejected as err:
             reject(row, err)
             continue
-        first_seen[pair.content_hash] = (name, path, row.src_row)
+        first_seen.add(pair.content_hash, name, path, row.src_row)
         stat["parsed_as"][pair.fmt] = stat["parsed_as"].get(pair.fmt, 0) + 1
         stat["pairs_out"] += 1
         out.pairs.append({"pair_id": pair.pair_id, "content_hash": pair.content_hash, "source": name,
@@ -753,6 +803,93 @@ def rejections_table(rejections: list[dict]) -> pa.Table:
     return pa.Table.from_pylist(rejections, schema=REJECTIONS_SCHEMA)
 
 
+# Streaming sinks: normalize_sources appends to these; rows are written as they go, never all held.
+
+SINK_ROWS = 4096  # rows buffered per table piece (memory only: the files' row groups are io.PARQUET_ROW_GROUP)
+
+
+class _TableSink:
+    """`.append(row dict)`; pieces of SINK_ROWS rows go to a ParquetStreamWriter."""
+
+    def __init__(self, writer: ParquetStreamWriter, schema: pa.Schema):
+        self.writer, self.schema, self.rows = writer, schema, []
+
+    def append(self, row: dict) -> None:
+        self.rows.append(row)
+        if len(self.rows) >= SINK_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.rows:
+            self.writer.write(pa.Table.from_pylist(self.rows, schema=self.schema))
+            self.rows = []
+
+
+class _PairSpill:
+    """pairs.parquet is sorted by pair_id: pairs are spilled to 16 bucket files by the pair_id's first
+    hex digit (pair IDs are hash prefixes, so buckets are even), then each bucket is sorted in memory and
+    written in bucket order: an external sort holding one bucket (1/16 of the pairs) at a time."""
+
+    BUCKETS = "0123456789abcdef"
+
+    def __init__(self, tmp_dir: Path):
+        self.tmp_dir = tmp_dir
+        self.rows: dict[str, list[dict]] = {b: [] for b in self.BUCKETS}
+        self.writers: dict[str, pq.ParquetWriter] = {}
+
+    def append(self, pair: dict) -> None:
+        bucket = self.rows[pair["pair_id"][0]]
+        bucket.append(pair)
+        if len(bucket) >= SINK_ROWS // 4:
+            self._spill(pair["pair_id"][0])
+
+    def _spill(self, b: str) -> None:
+        if not self.rows[b]:
+            return
+        if b not in self.writers:  # scratch files: fast, uncompressed
+            self.writers[b] = pq.ParquetWriter(self.tmp_dir / f"bucket_{b}.parquet", PAIRS_SCHEMA, compression="none")
+        self.writers[b].write_table(pa.Table.from_pylist(self.rows[b], schema=PAIRS_SCHEMA))
+        self.rows[b] = []
+
+    def write_sorted(self, writer: ParquetStreamWriter) -> None:
+        import pyarrow.compute as pc
+
+        for b in self.BUCKETS:
+            self._spill(b)
+        for w in self.writers.values():
+            w.close()
+        for b in self.BUCKETS:
+            if b not in self.writers:
+                continue
+            table = pq.read_table(self.tmp_dir / f"bucket_{b}.parquet")
+            table = table.take(pc.sort_indices(table, [("pair_id", "ascending")]))
+            ids = table.column("pair_id").to_pylist()
+            for i in range(1, len(ids)):
+                if ids[i] == ids[i - 1]:  # distinct content, same 96-bit prefix: refuse, never merge
+                    hashes = table.column("content_hash").slice(i - 1, 2).to_pylist()
+                    raise AssertionError(f"pair_id collision {ids[i]}: {hashes[0]} vs {hashes[1]}")
+            writer.write(table.combine_chunks())
+            (self.tmp_dir / f"bucket_{b}.parquet").unlink()
+
+
+def normalize_to_files(sources: list[dict], pairs_path: str, rejections_path: str,
+                       base_dir: str | Path = ".") -> dict:
+    """normalize_sources writing pairs.parquet and rejections.parquet as it goes (the same bytes as
+    write_parquet of the in-memory tables); returns the stats."""
+    import tempfile
+
+    Path(pairs_path).parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".normalize_spill.", dir=Path(pairs_path).parent) as tmp, \
+            ParquetStreamWriter(rejections_path, REJECTIONS_SCHEMA) as rejections_out:
+        spill = _PairSpill(Path(tmp))
+        out = Normalized(pairs=spill, rejections=_TableSink(rejections_out, REJECTIONS_SCHEMA))
+        normalize_sources(sources, base_dir, out)
+        out.rejections.flush()
+        with ParquetStreamWriter(pairs_path, PAIRS_SCHEMA) as pairs_out:
+            spill.write_sorted(pairs_out)
+    return out.stats
+
+
 def _arguments(ap) -> None:
     ap.add_argument("--pairs", required=True, help="output pairs.parquet")
     ap.add_argument("--rejections", required=True, help="output rejections.parquet")
@@ -762,16 +899,14 @@ def _arguments(ap) -> None:
 def _run(args) -> int:
     log = logging.getLogger("normalize")
     params = load_params(args.params)
-    result = normalize_sources(params["data"]["sources"])
-    for s in result.stats["sources"]:
+    stats = normalize_to_files(params["data"]["sources"], args.pairs, args.rejections)
+    for s in stats["sources"]:
         reasons = {r: n for r, n in s["rejected"].items() if n}
         log.info("source %s (%s, %s): rows_in=%d pairs_out=%d rejected=%d %s", s["name"], s["path"], s["format"],
                  s["rows_in"], s["pairs_out"], s["rejected_total"], reasons or "")
     # The stats file last: it is the summary of outputs that already exist in full.
-    write_parquet(args.pairs, pairs_table(result.pairs))
-    write_parquet(args.rejections, rejections_table(result.rejections))
-    write_json(args.stats, result.stats)
-    t = result.stats["totals"]
+    write_json(args.stats, stats)
+    t = stats["totals"]
     log.info("wrote %d pairs to %s, %d rejections to %s", t["pairs_out"], args.pairs, t["rejected_total"],
              args.rejections)
     return 0

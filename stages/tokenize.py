@@ -60,19 +60,21 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 import numpy as np
 import pyarrow as pa
 
 from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, TOKENIZER_FILES, TOKENS_SCHEMA, ContractError, check_shape,
-                                  pair_problems, probe_digest, token_digest, token_hash)
+                                  content_hash_problem, pair_id_problem, pair_problems, probe_digest,
+                                  row_content_hash, token_digest, token_hash)
 from stages.lib.cli import stage_main
-from stages.lib.io import (canonical_json, display_path, read_json, read_parquet, sha256_file, sha256_json,
-                           write_json, write_parquet)
+from stages.lib.io import (ParquetStreamWriter, canonical_json, display_path, read_json, read_parquet, sha256_file,
+                           sha256_json, write_json, write_parquet)
 from stages.lib.params import ParamsError, load_params
 
 TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end")
@@ -217,10 +219,37 @@ def render_plain(prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
     return prompt_text, full_text
 
 
-def render_chat(tokenizer, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+def chat_template_renderer(tokenizer):
+    """render(messages, add_generation_prompt) -> text: exactly tokenizer.apply_chat_template(messages,
+    add_generation_prompt=..., tokenize=False), without its per-call overhead (argument handling,
+    template lookup), which was most of tokenize's rendering time. Same steps as apply_chat_template:
+    messages normalized (None-valued keys dropped), the template rendered by transformers' own
+    sandboxed Jinja with the special tokens as template variables. Needs only
+    transformers.utils.chat_template_utils (no torch), so forked workers render with it too."""
+    from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+
+    template = _chat_template_text(tokenizer)
+    variables = dict(tokenizer.special_tokens_map)
+
+    def render(messages: list[dict], add_generation_prompt: bool) -> str:
+        rendered, _ = render_jinja_template(
+            conversations=[_normalize_chat_messages(messages)], tools=None, documents=None,
+            chat_template=template, return_assistant_tokens_mask=False, continue_final_message=False,
+            add_generation_prompt=add_generation_prompt, **variables)
+        return rendered[0]
+
+    return render
+
+
+def render_chat(render, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
+    """`render` from chat_template_renderer (or a tokenizer: its apply_chat_template is used)."""
+    if not callable(render):
+        tokenizer = render
+        render = lambda messages, add_generation_prompt: tokenizer.apply_chat_template(  # noqa: E731
+            messages, add_generation_prompt=add_generation_prompt, tokenize=False)
     try:
-        prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-        full_text = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+        prompt_text = render(prompt, True)
+        full_text = render(prompt + completion, False)
     except Exception as e:  # a template may refuse a role order (raise_exception in Jinja)
         raise BranchRejected("template_error", f"{type(e).__name__}: {e}") from e
     if not full_text.startswith(prompt_text):
@@ -283,6 +312,7 @@ class PairTokenizer:
         self.specials = _special_token_strings(tokenizer)
         self._special_re = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
         self.add_special_tokens = not self.uses_chat_template
+        self._render_template = chat_template_renderer(tokenizer) if self.uses_chat_template else None
 
     @property
     def rendering(self) -> str:
@@ -296,7 +326,7 @@ class PairTokenizer:
                     raise BranchRejected("special_token_in_content",
                                          f"{m['role']} message contains the special token {hit.group()!r}")
         if self.uses_chat_template:
-            prompt_text, full_text = render_chat(self.tokenizer, prompt, completion)
+            prompt_text, full_text = render_chat(self._render_template, prompt, completion)
         else:
             prompt_text, full_text = render_plain(prompt, completion)
         tail = full_text[len(prompt_text):].rstrip()
@@ -592,8 +622,11 @@ def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity
     return manifest
 
 
-def _length_stats(values: Iterable[int]) -> dict:
-    a = np.asarray(list(values), dtype=np.int64)
+_token_manifest = probe_token_manifest  # run_streaming's keyword argument of that name is the output path
+
+
+def _length_stats(values: Iterable[int] | np.ndarray) -> dict:
+    a = values.astype(np.int64) if isinstance(values, np.ndarray) else np.asarray(list(values), dtype=np.int64)
     if a.size == 0:
         return {"count": 0}
     return {"count": int(a.size), "min": int(a.min()), "max": int(a.max()), "sum": int(a.sum()),
@@ -601,30 +634,45 @@ def _length_stats(values: Iterable[int]) -> dict:
             "p95": round(float(np.percentile(a, 95)), 4)}
 
 
+LENGTH_KEYS = ("prompt", "chosen", "rejected", "chosen_completion", "rejected_completion")
+
+
+def row_lengths(rows: list[dict]) -> dict[str, np.ndarray]:
+    """The per-row token counts the report summarises (LENGTH_KEYS), as compact arrays."""
+    c = np.fromiter((len(r["chosen_ids"]) for r in rows), np.int64, len(rows))
+    r_ = np.fromiter((len(r["rejected_ids"]) for r in rows), np.int64, len(rows))
+    cp = np.fromiter((r["chosen_prompt_len"] for r in rows), np.int64, len(rows))
+    rp = np.fromiter((r["rejected_prompt_len"] for r in rows), np.int64, len(rows))
+    return {"prompt": cp, "chosen": c, "rejected": r_, "chosen_completion": c - cp, "rejected_completion": r_ - rp}
+
+
 def split_report(result: SplitResult) -> dict:
     reasons: dict[str, int] = {}
     for r in result.rejections:
         reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
     truncated = {reason: sum(t["reason"] == reason for t in result.truncations) for reason in TRUNCATION_REASONS}
-    rows = result.rows
+    return _split_report(result.pairs_in, len(result.rows), reasons, result.truncated, truncated,
+                         result.prompt_tokens_differ, row_lengths(result.rows))
+
+
+def _split_report(pairs_in: int, pairs_out: int, reasons: dict[str, int], truncated: int,
+                  truncated_by_reason: dict[str, int], prompt_tokens_differ: int,
+                  lengths: dict[str, np.ndarray]) -> dict:
     return {
-        "pairs_in": result.pairs_in, "pairs_out": len(rows), "rejected": len(result.rejections),
-        "rejected_by_reason": dict(sorted(reasons.items())), "truncated": result.truncated,
-        "truncated_by_reason": truncated,
-        "prompt_tokens_differ": result.prompt_tokens_differ,
-        "lengths": {
-            "prompt": _length_stats(r["chosen_prompt_len"] for r in rows),
-            "chosen": _length_stats(len(r["chosen_ids"]) for r in rows),
-            "rejected": _length_stats(len(r["rejected_ids"]) for r in rows),
-            "chosen_completion": _length_stats(len(r["chosen_ids"]) - r["chosen_prompt_len"] for r in rows),
-            "rejected_completion": _length_stats(len(r["rejected_ids"]) - r["rejected_prompt_len"] for r in rows),
-        },
+        "pairs_in": pairs_in, "pairs_out": pairs_out, "rejected": sum(reasons.values()),
+        "rejected_by_reason": dict(sorted(reasons.items())), "truncated": truncated,
+        "truncated_by_reason": truncated_by_reason,
+        "prompt_tokens_differ": prompt_tokens_differ,
+        "lengths": {k: _length_stats(lengths[k]) for k in LENGTH_KEYS},
     }
 
 
 def tokenize_report(results: list[SplitResult], limits: TokenizeLimits, rendering: str,
                     tok_identity: str) -> dict:
-    splits = {r.split: split_report(r) for r in results}
+    return _tokenize_report({r.split: split_report(r) for r in results}, limits, rendering, tok_identity)
+
+
+def _tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: str, tok_identity: str) -> dict:
     reasons: dict[str, int] = {}
     for s in splits.values():
         for k, v in s["rejected_by_reason"].items():
@@ -691,6 +739,171 @@ def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path
     return train_result, probe_result, token_manifest, report
 
 
+# ---------------------------------------------------------------------------------------------
+# The stage, streaming: train pairs in chunks, tokenized by a pool of forked workers, written in input
+# order as they come back. Bounded memory: at most 2 chunks per worker in flight, plus compact per-row
+# arrays (pair IDs for the uniqueness check, token counts for the report). The bytes are those of run()
+# + write_outputs() above (the reference the tests compare with), whatever `workers` and `chunk_pairs`:
+# row groups are cut by ParquetStreamWriter at a fixed row count, never at a chunk boundary.
+# ---------------------------------------------------------------------------------------------
+
+DEFAULT_CHUNK_PAIRS = 1024
+_WORKER: dict = {}  # the forked workers' PairTokenizer (inherited from the parent, never pickled)
+
+
+def resolve_workers(workers: int) -> int:
+    """tokenize.workers: 0 = every core this process may run on (its CPU affinity), else that many."""
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        raise TokenizeError(f"tokenize.workers must be an integer >= 0 (0 = all cores), got {workers!r}")
+    return workers or len(os.sched_getaffinity(0))
+
+
+@dataclass
+class ChunkResult:
+    tokens: pa.Table
+    rejections: pa.Table
+    reasons: dict[str, int]
+    truncated_by_reason: dict[str, int]
+    prompt_tokens_differ: int
+    lengths: dict[str, np.ndarray]
+    content_mismatches: dict[int, str]  # row in the chunk -> the hash its content has now
+
+
+def tokenize_chunk(pair_tokenizer: PairTokenizer, batch: pa.RecordBatch, limits: TokenizeLimits,
+                   split: str) -> ChunkResult:
+    pairs = batch.to_pylist()
+    mismatches = {}
+    for i, pair in enumerate(pairs):
+        actual = row_content_hash(pair)
+        if actual != pair["content_hash"]:
+            mismatches[i] = actual
+    result = tokenize_pairs(pair_tokenizer, pairs, limits, split)
+    reasons: dict[str, int] = {}
+    for r in result.rejections:
+        reasons[r["reason"]] = reasons.get(r["reason"], 0) + 1
+    return ChunkResult(tokens_table(result.rows), rejections_table(result.rejections), reasons,
+                       {k: sum(t["reason"] == k for t in result.truncations) for k in TRUNCATION_REASONS},
+                       result.prompt_tokens_differ, row_lengths(result.rows), mismatches)
+
+
+def _worker_init() -> None:
+    # The pool already uses every core it is given: the Rust tokenizer's own thread pool inside each
+    # worker would only oversubscribe them.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+
+def _worker_chunk(batch: pa.RecordBatch, limits: TokenizeLimits, split: str) -> ChunkResult:
+    return tokenize_chunk(_WORKER["pair_tokenizer"], batch, limits, split)
+
+
+def _chunk_results(pair_tokenizer: PairTokenizer, batches: Iterator[pa.RecordBatch], limits: TokenizeLimits,
+                   split: str, workers: int) -> Iterator[tuple[pa.RecordBatch, ChunkResult]]:
+    """(batch, result) in input order; with workers > 1 a fork pool, at most 2 * workers chunks in flight."""
+    if workers <= 1:
+        for batch in batches:
+            yield batch, tokenize_chunk(pair_tokenizer, batch, limits, split)
+        return
+    import multiprocessing
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    _WORKER["pair_tokenizer"] = pair_tokenizer
+    # fork: the workers inherit the loaded tokenizer instead of importing transformers again.
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                             initializer=_worker_init) as pool:
+        pending: deque = deque()
+        for batch in batches:
+            pending.append((batch, pool.submit(_worker_chunk, batch, limits, split)))
+            if len(pending) >= 2 * workers:
+                b, f = pending.popleft()
+                yield b, f.result()
+        while pending:
+            b, f = pending.popleft()
+            yield b, f.result()
+    _WORKER.clear()
+
+
+def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
+                  manifest_path: str, log, *, train_tokens, probe_tokens, probe_token_manifest, report_path,
+                  rejections, workers: int = 1, chunk_pairs: int = DEFAULT_CHUNK_PAIRS) -> dict:
+    """The stage: the outputs of run() + write_outputs(), train pairs streamed. Returns the report."""
+    import pyarrow.parquet as pq
+
+    try:
+        manifest = check_shape(read_json(manifest_path), PROBE_MANIFEST_SCHEMA, "probe manifest", manifest_path)
+    except ContractError as e:
+        raise TokenizeError(str(e)) from None
+    probe = read_pairs(probe_path)  # the probe is small (probe.size pairs) and is scored whole
+    check_pairs(probe, probe_path)
+    check_probe_matches_manifest(probe, manifest, probe_path, manifest_path)
+    probe_ids = {p["pair_id"] for p in probe}
+
+    tok_identity = tokenizer_identity(tokenizer_dir)
+    pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
+    log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
+             pair_tokenizer.rendering)
+    probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
+    check_probe_complete(probe_result, limits)
+
+    train_file = pq.ParquetFile(train_path)
+    pairs_in, pairs_out, differ = 0, 0, 0
+    reasons: dict[str, int] = {}
+    truncated_by_reason = dict.fromkeys(TRUNCATION_REASONS, 0)
+    lengths: dict[str, list[np.ndarray]] = {k: [] for k in LENGTH_KEYS}
+    seen: dict[str, int] = {}
+    problems: list[str] = []
+    n_problems, overlap = 0, []
+    with ParquetStreamWriter(train_tokens, TOKENS_SCHEMA) as tokens_out, \
+            ParquetStreamWriter(rejections, REJECTIONS_SCHEMA) as rejections_out:
+        batches = train_file.iter_batches(batch_size=chunk_pairs)
+        for batch, chunk in _chunk_results(pair_tokenizer, batches, limits, "train", resolve_workers(workers)):
+            ids, hashes = batch.column("pair_id").to_pylist(), batch.column("content_hash").to_pylist()
+            for i, (pid, ch) in enumerate(zip(ids, hashes)):
+                problem = pair_id_problem(pairs_in + i, pid, ch, seen)
+                if problem is None and i in chunk.content_mismatches:
+                    problem = content_hash_problem(pairs_in + i, pid, ch, chunk.content_mismatches[i])
+                if problem is not None:
+                    n_problems += 1
+                    if len(problems) < 20:
+                        problems.append(problem)
+                if pid in probe_ids:
+                    overlap.append(pid)
+            pairs_in += batch.num_rows
+            pairs_out += chunk.tokens.num_rows
+            differ += chunk.prompt_tokens_differ
+            for k, v in chunk.reasons.items():
+                reasons[k] = reasons.get(k, 0) + v
+            for k, v in chunk.truncated_by_reason.items():
+                truncated_by_reason[k] += v
+            for k in LENGTH_KEYS:
+                lengths[k].append(chunk.lengths[k])
+            tokens_out.write(chunk.tokens)
+            rejections_out.write(chunk.rejections)
+        # Raised inside the writers' block: on bad input no output file appears.
+        if n_problems:
+            raise TokenizeError(f"{train_path}: {n_problems} pair(s) do not match their recorded hashes "
+                                f"(edited after normalize?):\n  " + "\n  ".join(problems))
+        if overlap:
+            raise TokenizeError(f"{len(overlap)} probe pairs are also in {train_path}: {sorted(overlap)[:10]}")
+        rejections_out.write(rejections_table(probe_result.rejections))
+
+    write_parquet(probe_tokens, tokens_table(probe_result.rows))
+    token_manifest = _token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity,
+                                     probe_result.truncations, limits)
+    if probe_result.truncations:
+        counts = {k: v for k, v in split_report(probe_result)["truncated_by_reason"].items() if v}
+        log.info("probe: %d pairs truncated %s (each recorded in the probe token manifest)",
+                 len(probe_result.truncations), canonical_json(counts))
+    train_lengths = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in lengths.items()}
+    train_report = _split_report(pairs_in, pairs_out, reasons, sum(truncated_by_reason.values()),
+                                 truncated_by_reason, differ, train_lengths)
+    splits = {"train": train_report, "probe": split_report(probe_result)}
+    report = _tokenize_report(splits, limits, pair_tokenizer.rendering, tok_identity)
+    write_json(probe_token_manifest, token_manifest)
+    write_json(report_path, report)
+    return report
+
+
 def _arguments(ap) -> None:
     ap.add_argument("--identity", required=True, help="results/ref/ref_identity.json from verify_ref")
     ap.add_argument("--train", required=True)
@@ -701,23 +914,27 @@ def _arguments(ap) -> None:
     ap.add_argument("--probe-token-manifest", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("--rejections", required=True)
+    ap.add_argument("--chunk-pairs", type=int, default=DEFAULT_CHUNK_PAIRS,
+                    help="train pairs per work unit (memory / parallelism only; the outputs do not depend on it)")
 
 
 def _run(args) -> None:
     from stages.lib.reference import load_verified_dir
 
     log = logging.getLogger("tokenize")
-    limits = TokenizeLimits.from_params(load_params(args.params)["tokenize"])
+    params = load_params(args.params)["tokenize"]
+    limits = TokenizeLimits.from_params(params)
+    workers = resolve_workers(params.get("workers", 0))
     tokenizer_dir = load_verified_dir(args.identity)
-    train_result, probe_result, token_manifest, report = run(
-        limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, log)
-    write_outputs(train_result, probe_result, token_manifest, report, train_tokens=args.train_tokens,
-                  probe_tokens=args.probe_tokens, probe_token_manifest=args.probe_token_manifest,
-                  report_path=args.report, rejections=args.rejections)
+    report = run_streaming(limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, log,
+                           train_tokens=args.train_tokens, probe_tokens=args.probe_tokens,
+                           probe_token_manifest=args.probe_token_manifest, report_path=args.report,
+                           rejections=args.rejections, workers=workers, chunk_pairs=args.chunk_pairs)
+    train, probe = report["splits"]["train"], report["splits"]["probe"]
+    # No worker count or timing here: the log is hashed with the outputs.
     log.info("train: %d pairs in, %d out, %d rejected %s, %d truncated; probe: %d pairs, digest %s",
-             train_result.pairs_in, len(train_result.rows), len(train_result.rejections),
-             canonical_json(report["splits"]["train"]["rejected_by_reason"]), train_result.truncated,
-             len(probe_result.rows), token_manifest["token_digest"])
+             train["pairs_in"], train["pairs_out"], train["rejected"], canonical_json(train["rejected_by_reason"]),
+             train["truncated"], probe["pairs_out"], read_json(args.probe_token_manifest)["token_digest"])
 
 
 def main(argv: list[str] | None = None) -> None:

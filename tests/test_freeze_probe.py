@@ -231,3 +231,48 @@ def test_cli_too_few_prompts_fails_clearly(tmp_path):
     assert "60 distinct prompts (150 pairs) but probe.size is 512" in result.stderr
     assert not (tmp_path / "out" / "probe_manifest.json").exists()
     assert not (tmp_path / "out" / "train.parquet").exists()
+
+
+# ==================================================================================================
+# Streaming (issue 19): freeze_probe_file writes what freeze_probe() + write_parquet write
+# ==================================================================================================
+
+
+def test_streaming_split_is_byte_identical_to_in_memory(hh_rlhf_path, tmp_path, monkeypatch):
+    import stages.lib.io as io
+    from stages.freeze_probe import freeze_probe_file
+    from stages.normalize import normalize_sources
+
+    monkeypatch.setattr(io, "PARQUET_ROW_GROUP", 300)  # many row groups from ~2k real pairs
+    hh = normalize_sources([{"name": "hh", "path": str(hh_rlhf_path), "format": "hh"}]).pairs
+    # Second answers to 400 of the real prompts, so that probe prompts leak and are excluded from train.
+    leaks = [{"prompt": p["prompt"], "chosen": p["chosen"],
+              "rejected": [{"role": "assistant", "content": p["rejected"][0]["content"] + " (again)"}]} for p in hh[:400]]
+    table = pairs_table([{k: p[k] for k in ("prompt", "chosen", "rejected")} for p in hh] + leaks)
+    write_parquet(tmp_path / "pairs.parquet", table)
+    ref = freeze_probe(table, size=200, seed=11)
+    assert ref.manifest["excluded_from_train"]  # HH repeats prompts: the leak exclusion is exercised
+    write_parquet(tmp_path / "ref_train.parquet", ref.train)
+    write_parquet(tmp_path / "ref_probe.parquet", ref.probe)
+    for chunk_rows in (97, 5000):
+        manifest = freeze_probe_file(str(tmp_path / "pairs.parquet"), 200, 11, chunk_rows=chunk_rows,
+                                     train_path=str(tmp_path / "train.parquet"),
+                                     probe_path=str(tmp_path / "probe.parquet"))
+        assert manifest == ref.manifest
+        for name in ("train", "probe"):
+            assert (tmp_path / f"{name}.parquet").read_bytes() == (tmp_path / f"ref_{name}.parquet").read_bytes()
+
+    # Rows not in normalize's pair_id order (a hand-made file): the same split all the same.
+    write_parquet(tmp_path / "shuffled.parquet", shuffled(table, 4))
+    manifest = freeze_probe_file(str(tmp_path / "shuffled.parquet"), 200, 11, chunk_rows=97,
+                                 train_path=str(tmp_path / "train.parquet"), probe_path=str(tmp_path / "probe.parquet"))
+    assert manifest == ref.manifest
+    assert (tmp_path / "train.parquet").read_bytes() == (tmp_path / "ref_train.parquet").read_bytes()
+    # A row edited after normalize is named by its row, as freeze_probe() names it.
+    rows = table.to_pylist()
+    rows[250]["rejected"] = [{"role": "assistant", "content": "edited"}]
+    write_parquet(tmp_path / "edited.parquet", pa.Table.from_pylist(rows, schema=table.schema))
+    with pytest.raises(ProbeError, match=r"1 pair\(s\) do not match.*\n  row 250 \(pair "):
+        freeze_probe_file(str(tmp_path / "edited.parquet"), 200, 11, chunk_rows=97,
+                          train_path=str(tmp_path / "t.parquet"), probe_path=str(tmp_path / "p.parquet"))
+    assert not (tmp_path / "t.parquet").exists()

@@ -707,3 +707,37 @@ def test_check_pairs_catches_duplicates(split_pairs):
     check_pairs(train, "train.parquet")
     with pytest.raises(TokenizeError, match="duplicate pair_id"):
         check_pairs(train + train[:1], "train.parquet")
+
+
+# ---------------------------------------------------------------------------------------------
+# Streaming (issues 19, 21): run_streaming, any worker count and chunk size, writes run() + write_outputs()'s bytes
+# ---------------------------------------------------------------------------------------------
+
+def test_streaming_stage_is_byte_identical_for_any_workers_and_chunks(gpt2_tokenizer_dir, split_pairs, tmp_path,
+                                                                      monkeypatch):
+    import stages.lib.io as io
+    from stages.tokenize import run_streaming
+
+    monkeypatch.setattr(io, "PARQUET_ROW_GROUP", 50)  # many row groups from 360 train pairs
+    train, probe = split_pairs
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    limits = TokenizeLimits(max_length=256, max_prompt_length=200, truncation="truncate_completion")
+    ref = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "ref")
+    report = read_json(ref["report_path"])["splits"]["train"]
+    assert report["rejected"] and report["truncated"] and report["pairs_out"] > 100  # every path is exercised
+    for workers, chunk in ((1, 1000), (2, 37)):
+        out = tmp_path / f"w{workers}"
+        paths = {k: out / Path(v).name for k, v in ref.items()}
+        run_streaming(limits, gpt2_tokenizer_dir, log=LOG, workers=workers, chunk_pairs=chunk, **inputs, **paths)
+        for key in ref:
+            assert Path(paths[key]).read_bytes() == Path(ref[key]).read_bytes(), (workers, key)
+
+    # Bad train rows are refused as run() refuses them, naming the row, and no output appears.
+    edited = [dict(p) for p in train]
+    edited[45]["chosen"] = [{"role": "assistant", "content": "something else"}]
+    bad = write_probe_inputs(tmp_path / "edit", edited + train[:1], probe)
+    out = tmp_path / "bad"
+    with pytest.raises(TokenizeError, match=r"(?s)train.parquet: 2 pair.*row 45 \(pair .*rows 0 and 360: duplicate"):
+        run_streaming(limits, gpt2_tokenizer_dir, log=LOG, workers=2, chunk_pairs=37, **bad,
+                      **{k: out / Path(v).name for k, v in ref.items()})
+    assert not out.exists() or not any(out.iterdir())

@@ -61,18 +61,31 @@ def pair_problems(pairs: list[dict]) -> list[str]:
     seen: dict[str, int] = {}
     for row, pair in enumerate(pairs):
         pid, ch = pair.get("pair_id"), pair.get("content_hash")
-        if not isinstance(pid, str) or not isinstance(ch, str) or len(pid) != PAIR_ID_HEX or pid != pair_id_of(ch):
-            problems.append(f"row {row}: pair_id {pid!r} is not the first {PAIR_ID_HEX} hex of content_hash {ch!r}")
+        problem = pair_id_problem(row, pid, ch, seen)
+        if problem is not None:
+            problems.append(problem)
             continue
-        if pid in seen:
-            problems.append(f"rows {seen[pid]} and {row}: duplicate pair_id {pid}")
-            continue
-        seen[pid] = row
         actual = row_content_hash(pair)
         if actual != ch:
-            problems.append(f"row {row} (pair {pid}): content_hash {ch} does not match the row's "
-                            f"prompt/chosen/rejected (sha256 of their canonical JSON is {actual})")
+            problems.append(content_hash_problem(row, pid, ch, actual))
     return problems
+
+
+def pair_id_problem(row: int, pid: Any, ch: Any, seen: dict[str, int]) -> str | None:
+    """pair_problems' cheap per-row check (pair_id form and uniqueness; `seen` is updated), for a
+    reader that streams the rows in chunks and recomputes the content hashes elsewhere
+    (content_hash_problem), merging the two per row as pair_problems does."""
+    if not isinstance(pid, str) or not isinstance(ch, str) or len(pid) != PAIR_ID_HEX or pid != pair_id_of(ch):
+        return f"row {row}: pair_id {pid!r} is not the first {PAIR_ID_HEX} hex of content_hash {ch!r}"
+    if pid in seen:
+        return f"rows {seen[pid]} and {row}: duplicate pair_id {pid}"
+    seen[pid] = row
+    return None
+
+
+def content_hash_problem(row: int, pid: str, ch: str, actual: str) -> str:
+    return (f"row {row} (pair {pid}): content_hash {ch} does not match the row's "
+            f"prompt/chosen/rejected (sha256 of their canonical JSON is {actual})")
 
 
 # ==================================================================================== probe

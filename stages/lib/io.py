@@ -132,12 +132,71 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+# Part of the artifact contract: the bytes of a parquet file depend on its row-group layout, so
+# every writer (whole-table or streaming) cuts row groups at this many rows, never at a chunk or
+# worker boundary.
+PARQUET_ROW_GROUP = 1 << 16
+_PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=True, write_statistics=True,
+                        store_schema=False)
+
+
 def write_parquet(path: str | os.PathLike, table: pa.Table) -> None:
     """Byte-deterministic parquet: schema metadata dropped, one fixed compression and layout."""
     table = table.replace_schema_metadata(None)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd", compression_level=3, use_dictionary=True,
-                       write_statistics=True, row_group_size=1 << 16, store_schema=False)
+        pq.write_table(table, tmp, row_group_size=PARQUET_ROW_GROUP, **_PARQUET_OPTIONS)
+
+
+class ParquetStreamWriter:
+    """write_parquet's bytes, written as rows arrive: buffers to PARQUET_ROW_GROUP rows and writes each
+    full row group as one contiguous table (pq.write_table does the same slicing), so the file is the
+    same bytes as write_parquet(path, concat of everything written) whatever the pieces were.
+    Atomic like write_parquet: the file appears at `path` only when the `with` block succeeds."""
+
+    def __init__(self, path: str | os.PathLike, schema: pa.Schema):
+        self.path, self.schema = path, schema.remove_metadata()
+        self.rows = 0
+        self._pending: list[pa.Table] = []
+        self._pending_rows = 0
+
+    def __enter__(self) -> "ParquetStreamWriter":
+        self._atomic = atomic_path(self.path)
+        tmp = self._atomic.__enter__()
+        self._writer = pq.ParquetWriter(tmp, self.schema, **_PARQUET_OPTIONS)
+        return self
+
+    def write(self, table: pa.Table | pa.RecordBatch) -> None:
+        if isinstance(table, pa.RecordBatch):
+            table = pa.Table.from_batches([table])
+        table = table.replace_schema_metadata(None)
+        if table.schema != self.schema:
+            table = table.cast(self.schema)
+        if table.num_rows == 0:
+            return
+        self._pending.append(table)
+        self._pending_rows += table.num_rows
+        while self._pending_rows >= PARQUET_ROW_GROUP:
+            self._flush(PARQUET_ROW_GROUP)
+
+    def _flush(self, n: int) -> None:
+        # One contiguous chunk per column: page boundaries depend on how a column chunk is fed.
+        whole = pa.concat_tables(self._pending).combine_chunks()
+        self._writer.write_table(whole.slice(0, n), row_group_size=PARQUET_ROW_GROUP)
+        rest = whole.slice(n)
+        self._pending, self._pending_rows = ([rest] if rest.num_rows else []), rest.num_rows
+        self.rows += n
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        try:
+            if exc_type is None:
+                if self._pending_rows:
+                    self._flush(self._pending_rows)
+                elif self.rows == 0:  # pq.write_table writes one empty row group for an empty table
+                    self._writer.write_table(self.schema.empty_table(), row_group_size=PARQUET_ROW_GROUP)
+            self._writer.close()
+        finally:
+            self._atomic.__exit__(exc_type, exc, tb)
+        return False
 
 
 def read_parquet(path: str | os.PathLike) -> pa.Table:

@@ -38,6 +38,8 @@ rule tokenize:
         rejections=f"{RESULTS}/tokens/token_rejections.parquet",
     params:
         tokenize=config["tokenize"],
+    # The stage runs tokenize.workers processes (0 = all cores); Snakemake caps threads at --cores.
+    threads: config["tokenize"].get("workers") or len(os.sched_getaffinity(0)),
     conda:
         "../envs/pipeline.yaml"
     log:
