@@ -42,7 +42,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -115,8 +115,7 @@ def reference_of(identity_path=None, model_dir=None) -> dict:
 
 
 def run_header(objective, settings, env, hf_model, train_pairs, probe_pairs, reference: dict | None) -> dict:
-    trajectory = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()
-                  if k not in NOT_IN_FINGERPRINT}
+    trajectory = {k: v for k, v in settings.record().items() if k not in NOT_IN_FINGERPRINT}
     role, head = OBJECTIVE_KINDS[objective.name]
     return {
         "format_version": FORMAT_VERSION,
@@ -337,6 +336,16 @@ def _test_hook(point: str, step: int) -> None:
         time.sleep(3600)
 
 
+def trainable_state_names(module) -> set[str] | None:
+    """With part of the model frozen (train.adapter), the names of the state a checkpoint holds: the trainable
+    parameters only (the frozen base is the reference the header identifies; saving it every time would cost
+    the whole model per checkpoint). None: the whole state dict (full fine-tuning)."""
+    named = list(module.named_parameters())
+    if all(p.requires_grad for _, p in named):
+        return None
+    return {n for n, p in named if p.requires_grad}
+
+
 def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, trainer_state: dict,
                     probe_step0_rows: list[dict], module, optimizer, settings, env, keep: int) -> Path:
     """Collective: every rank calls it after the same optimizer step. Returns the checkpoint path."""
@@ -358,7 +367,10 @@ def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, tra
         model_part, optim_part = "model/", "optimizer/"
     else:                              # DDP replicas are identical: one file from rank 0
         if env.is_main:
-            torch.save(module.state_dict(), tmp / "model.pt")
+            keep_names = trainable_state_names(module)
+            state = module.state_dict()
+            torch.save(state if keep_names is None else {k: v for k, v in state.items() if k in keep_names},
+                       tmp / "model.pt")
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
         model_part, optim_part = "model.pt", "optimizer.pt"
     torch.save(rng_state(env.device), tmp / "rng" / f"rank{env.rank:05d}.pt")
@@ -421,7 +433,12 @@ def load_checkpoint(path: Path, meta: dict, *, module, optimizer, settings, env)
             dcp.load(optim_sd, checkpoint_id=str(path / "optimizer"))
             set_optimizer_state_dict(module, optimizer, optim_sd["optimizer"])
         else:
-            module.load_state_dict(torch.load(path / "model.pt", map_location="cpu", weights_only=True))
+            saved = torch.load(path / "model.pt", map_location="cpu", weights_only=True)
+            keep_names = trainable_state_names(module)
+            if keep_names is not None and set(saved) != keep_names:
+                raise KeyError(f"the checkpoint's model state holds {sorted(set(saved) - keep_names)[:4]} not trained "
+                               f"here and lacks {sorted(keep_names - set(saved))[:4]}")
+            module.load_state_dict(saved, strict=keep_names is None)
             optimizer.load_state_dict(torch.load(path / "optimizer.pt", map_location="cpu", weights_only=True))
     except (RuntimeError, KeyError, ValueError) as e:
         raise CheckpointError(f"{path}: state does not fit this run's model/optimizer: {e}") from e

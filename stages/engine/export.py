@@ -12,6 +12,7 @@ from pathlib import Path
 import torch.distributed as dist
 from torch import nn
 
+from stages.engine.adapters import ADAPTER_SUBDIR, Adapter, adapter_state_dict, merged_model, save_adapter_dir
 from stages.engine.dist import DistEnv
 from stages.engine.settings import TrainSettings
 from stages.lib.contracts import TOKENIZER_FILES
@@ -68,13 +69,35 @@ def export_tokenizer_pad(export_dir: Path, pad_token_id: int) -> None:
                           "be scored at another token than the one trained")
 
 
+def export_adapter(adapter: Adapter, hf: nn.Module, objective, settings: TrainSettings, src_dir: Path,
+                   tmp: Path) -> list[Path]:
+    """train.adapter's export into `tmp`: merged (the HF model, W + (alpha / r) B A folded into a fresh fp32 load of
+    the base weights, so a bf16 run's frozen base is not rounded into it), adapter (peft's directory) or both
+    (merged, and the adapter directory in ADAPTER_SUBDIR). Returns the directories that get the tokenizer."""
+    state = adapter_state_dict(adapter, hf.state_dict())
+    kind = adapter.settings["export"]
+    dirs = [tmp]
+    if kind in ("merged", "both"):
+        merged = merged_model(adapter, objective.hf_model(objective.build_module(src_dir, settings)), state)
+        check_export_head(merged, objective.head)
+        merged.save_pretrained(tmp)
+    if kind == "adapter":
+        save_adapter_dir(adapter, state, tmp)
+    elif kind == "both":
+        save_adapter_dir(adapter, state, tmp / ADAPTER_SUBDIR)
+        dirs.append(tmp / ADAPTER_SUBDIR)
+    return dirs
+
+
 def export_model(module: nn.Module, objective, settings: TrainSettings, env: DistEnv, src_dir: Path,
-                 out_dir: Path) -> None:
-    """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM).
-    Tokenizer files are copied from the source directory so the export is usable on its own; a reward
-    model's tokenizer pads with its config.pad_token_id (export_tokenizer_pad)."""
+                 out_dir: Path, adapter: Adapter | None = None) -> None:
+    """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM); with
+    train.adapter, as its `export` says (export_adapter). Tokenizer files are copied from the source directory so
+    the export is usable on its own; a reward model's tokenizer pads with its config.pad_token_id
+    (export_tokenizer_pad)."""
     hf = objective.hf_model(module)
-    check_export_head(hf, objective.head)
+    if adapter is None:                # with adapters the head is checked on the merged model
+        check_export_head(hf, objective.head)
     state = None
     if settings.parallel == "fsdp2":   # collective: every rank takes part
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -90,13 +113,18 @@ def export_model(module: nn.Module, objective, settings: TrainSettings, env: Dis
     if env.is_main:
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        hf.save_pretrained(tmp, state_dict=state)
-        # The tokenizer (every file contracts.TOKENIZER_FILES names) and the generation defaults beside it.
-        for name in (*TOKENIZER_FILES, "generation_config.json"):
-            if (Path(src_dir) / name).exists() and not (tmp / name).exists():
-                shutil.copy2(Path(src_dir) / name, tmp / name)
-        if objective.head == "score":
-            export_tokenizer_pad(tmp, hf.config.pad_token_id)
+        if adapter is None:
+            hf.save_pretrained(tmp, state_dict=state)
+            dirs = [tmp]
+        else:
+            dirs = export_adapter(adapter, hf, objective, settings, Path(src_dir), tmp)
+        for d in dirs:
+            # The tokenizer (every file contracts.TOKENIZER_FILES names) and the generation defaults beside it.
+            for name in (*TOKENIZER_FILES, "generation_config.json"):
+                if (Path(src_dir) / name).exists() and not (d / name).exists():
+                    shutil.copy2(Path(src_dir) / name, d / name)
+            if objective.head == "score":
+                export_tokenizer_pad(d, hf.config.pad_token_id)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.replace(tmp, out_dir)
     dist.barrier(group=env.control_group)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from stages.engine.adapters import Adapter, attach_adapter, check_adapter_settings
 from stages.engine.cli import _progress_bar
 from stages.engine.data import prefetch_batches, run_inference
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
@@ -119,6 +120,7 @@ class Run:
     resumed: tuple | None = None       # (path, meta) of the checkpoint resumed from
     step0_rows: list[dict] | None = None
     saved_checkpoints: list[int] = field(default_factory=list)
+    adapter: Adapter | None = None     # LoRA (train.adapter); None = full fine-tuning
 
 
 def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
@@ -131,6 +133,9 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     # A reward model's score positions follow its pad id (HF's pooling): set, or refused, before any work.
     train_pairs, probe_pairs = objective.prepare_pairs(hf, train_pairs), objective.prepare_pairs(hf, probe_pairs)
     disable_dropout(module)
+    # After disable_dropout: train.adapter.dropout is the adapters' own, asked for explicitly.
+    check_adapter_settings(settings.adapter, settings, hf, objective.head)
+    adapter = attach_adapter(hf, settings.adapter, objective.head) if settings.adapter else None
     if settings.activation_checkpointing:
         hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     module.to(env.device)
@@ -153,7 +158,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     del masters
     run = Run(objective, settings, env, module, hf, model, optimizer,
               LRSchedule(settings, len(plans)), plans, train_pairs, probe_pairs, Path(out_dir),
-              sum(p.numel() for p in module.parameters()), kernel_warmup_s, TrainState())
+              sum(p.numel() for p in module.parameters()), kernel_warmup_s, TrainState(), adapter=adapter)
     if ckpt.directory is not None or ckpt.resume not in ("auto", "never"):
         # Rank 0's header (the reference digest is computed there only); every rank names files by it.
         box = [run_header(objective, settings, env, hf, train_pairs, probe_pairs, ckpt.reference)
@@ -171,6 +176,10 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
              "attention %s", objective.name, len(train_pairs), len(probe_pairs), len(plans), env.world_size,
              env.backend, settings.parallel, run.n_params / 1e6,
              attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32))
+    if adapter is not None:
+        log.info("adapter %s r=%d alpha=%g dropout=%g on %s: %d trainable parameters", adapter.settings["type"],
+                 adapter.settings["r"], adapter.settings["alpha"], adapter.settings["dropout"],
+                 ",".join(adapter.settings["target_modules"]), adapter.trainable_parameters)
     return run
 
 
@@ -305,7 +314,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
         with torch.no_grad():
             run.module.float()
             torch._foreach_copy_(run.optimizer.model_params, run.optimizer.master_params)
-    export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model")
+    export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model", run.adapter)
     return write_records(run, graph_info, environment, perf_path, train_log.throughput, train_seconds,
                          time.perf_counter() - t_start)
 
@@ -328,7 +337,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "cuda_graphs": graph_facts,
         "fused_kernels": dict(getattr(run.hf, "prefpipe_fused_kernels", {})),
         **({"reward_scoring": run.objective.scoring_info(run.hf)} if run.objective.head == "score" else {}),
-        "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(settings).items()},
+        "settings": settings.record(),
+        **({"adapter": run.adapter.info()} if run.adapter is not None else {}),
         "model_parameters": run.n_params,
         "train_pairs": len(run.train_pairs),
         "probe_pairs": len(run.probe_pairs),

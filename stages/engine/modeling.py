@@ -199,7 +199,9 @@ class GroupedLinear(torch.autograd.Function):
         x, w = ctx.saved_tensors
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
-        dw = dy2.t().matmul(x.reshape(-1, x.shape[-1])).split(ctx.splits)
+        n = len(ctx.splits)             # frozen weights (LoRA's base layers) need no weight gradient
+        dw = (dy2.t().matmul(x.reshape(-1, x.shape[-1])).split(ctx.splits) if any(ctx.needs_input_grad[2:2 + n])
+              else (None,) * n)
         db = dy2.sum(0).split(ctx.splits) if ctx.has_bias else ()
         return (dx, None, *dw, *db)
 
@@ -225,7 +227,10 @@ def _fused_mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if not kernels.available(x):
         return type(self).forward(self, x)
     pair = [self.gate_proj, self.up_proj]
-    if (_fusable_projection_input(x, pair) and self.gate_proj.weight.shape == self.up_proj.weight.shape
+    # Only plain Linear layers: a LoRA layer (peft's lora.Linear) exposes its base weight as `.weight`, and one
+    # GEMM over that would drop the adapter; it runs through its own forward below.
+    if (all(type(m) is nn.Linear for m in pair) and _fusable_projection_input(x, pair)
+            and self.gate_proj.weight.shape == self.up_proj.weight.shape
             and self.gate_proj.bias is None and self.up_proj.bias is None):
         return self.down_proj(kernels.silu_mul_halves(grouped_linear(x, pair)))
     gate, up = self.gate_proj(x), self.up_proj(x)

@@ -6,7 +6,7 @@ check. What the schema cannot say is refused here: a temperature other than 1.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 
 import jsonschema
 
@@ -42,11 +42,20 @@ class TrainSettings:
     activation_checkpointing: bool
     save_every: int                    # checkpoint every N optimizer steps (and after the last); 0 = never
     keep_checkpoints: int              # complete checkpoints of a run kept on disk (the newest ones)
+    adapter: dict | None = None        # None = full fine-tuning; {type: lora, ...}: stages/engine/adapters.py
 
     def __post_init__(self):
         if self.temperature != 1.0:
             raise TrainConfigError(f"train.temperature = {self.temperature}: log-probs, DPO rewards and reference "
                                    "log-probs are defined at temperature 1; other values are refused")
+
+    def record(self) -> dict:
+        """The settings as a JSON-able dict (run_info, checkpoint header); `adapter` only when set, so a full
+        fine-tune's record is what it was before adapters existed."""
+        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        if out["adapter"] is None:
+            del out["adapter"]
+        return out
 
     @classmethod
     def from_params(cls, params: dict) -> "TrainSettings":
@@ -60,4 +69,5 @@ class TrainSettings:
             raise TrainConfigError(f"train{'.' + where if where else ''}: {e.message}") from None
         train = dict(params["train"])
         train["adam_betas"] = tuple(float(b) for b in train["adam_betas"])
+        train.setdefault("adapter", None)      # optional key: absent = full fine-tuning
         return cls(**{f.name: train[f.name] for f in fields(cls)})

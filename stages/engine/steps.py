@@ -76,6 +76,8 @@ def cuda_graphs_unavailable(settings: TrainSettings, env: DistEnv) -> str | None
         return "train.compile is on"
     if settings.activation_checkpointing:
         return "train.activation_checkpointing is on"
+    if settings.adapter and settings.adapter["dropout"] > 0:
+        return "train.adapter.dropout > 0 (the dropout masks' RNG is not captured)"
     return None
 
 

@@ -38,7 +38,7 @@ from typing import Any
 RECORD_FORMAT = "prefpipe-environment/1"
 
 # Every package whose version can change a number of the pipeline (or the tools that record it).
-RECORDED_PACKAGES = ("torch", "transformers", "tokenizers", "numpy", "pandas", "pyarrow", "safetensors",
+RECORDED_PACKAGES = ("torch", "transformers", "peft", "tokenizers", "numpy", "pandas", "pyarrow", "safetensors",
                      "matplotlib", "snakemake", "dvc", "triton")
 
 # The portable CPU pin. ATen's "default" capability is its baseline build of the vectorized kernels;
