@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 
 from stages.lib.io import read_parquet
-from stages.engine.objectives import DPOObjective, RefLogpsError, ref_logps_for
+from stages.engine.objectives import DPOLossError, DPOObjective, RefLogpsError, check_dpo_params, ref_logps_for
 from stages.lib.params import load_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
                                load_stage_tokens, resolve_model_dir, stage_environment)
@@ -37,6 +37,7 @@ def _run(args) -> dict:
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     dpo = params["dpo"]
+    check_dpo_params(dpo)                               # refuse an impossible loss setting before anything is built
     if dpo["objective"] == "dpo" and not args.ref_logps:
         raise TrainConfigError("dpo.objective is dpo: --ref-logps is required (run the ref_logps stage)")
     env = init_distributed(settings)
@@ -61,7 +62,7 @@ def _run(args) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     return engine_stage_main(argv, "train_dpo", __doc__.split("\n")[0], _arguments, _run,
-                             input_errors=(RefLogpsError, ModelLoadError, ExportError))
+                             input_errors=(RefLogpsError, DPOLossError, ModelLoadError, ExportError))
 
 
 if __name__ == "__main__":

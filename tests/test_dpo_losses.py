@@ -141,12 +141,19 @@ def test_meaningless_settings_are_refused():
             DPOObjective({"objective": "dpo_ref_free", "beta": 0.1, "loss": loss, "label_smoothing": 0.1})
     with pytest.raises(ValueError, match="needs the completion token counts"):
         dpo_pair_losses(x, x, x, x, beta=0.1, loss_type="ipo_length_normalized")
-    with pytest.raises(ValueError, match="unknown DPO loss 'hinge'"):
-        dpo_pair_losses(x, x, x, x, beta=0.1, loss_type="hinge")
+    with pytest.raises(ValueError, match="unknown DPO loss 'kto'"):
+        dpo_pair_losses(x, x, x, x, beta=0.1, loss_type="kto")
+    with pytest.raises(ValueError, match="names a loss twice"):          # the schema's uniqueItems, in Python too
+        dpo_pair_losses(x, x, x, x, beta=0.1, loss_type=["hinge", "hinge"])
+    for loss in ("sigmoid_norm", "sft", "simpo", "orpo"):
+        with pytest.raises(ValueError, match=f"dpo.loss {loss} needs the completion token counts"):
+            dpo_pair_losses(x, x, x, x, beta=0.1, loss_type=loss)
 
     params = load_params(REPO / "params.yaml")
     for loss, eps, ok in (("ipo", 0.1, False), ("ipo_length_normalized", 0.1, False), ("ipo_length_normalized", 0.0, True),
-                          ("robust", 0.1, True), ("sigmoid", 0.2, True), ("robust", 0.5, False), ("hinge", 0.0, False)):
+                          ("robust", 0.1, True), ("sigmoid", 0.2, True), ("robust", 0.5, False), ("hinge", 0.0, True),
+                          ("kto", 0.0, False), (["sigmoid", "sft"], 0.0, True), ([], 0.0, False),
+                          (["sigmoid", "sigmoid"], 0.0, False), (["sigmoid", "kto"], 0.0, False)):
         p = copy.deepcopy(params)
         p["dpo"].update(loss=loss, label_smoothing=eps)
         if ok:
@@ -154,6 +161,71 @@ def test_meaningless_settings_are_refused():
         else:
             with pytest.raises(ParamsError, match=r"dpo\.(label_smoothing|loss)"):
                 validate_params(p)
+
+
+@pytest.mark.parametrize("dpo,message", [
+    ({"loss": "simpo"}, r"dpo.loss \['simpo'\] is reference-free by definition .*set dpo.objective: dpo_ref_free"),
+    ({"loss": ["sigmoid", "orpo"]}, r"\['orpo'\] is reference-free"),
+    ({"loss": "exo_pair"}, "exo_pair needs dpo.label_smoothing > 0"),
+    ({"loss": ["ipo", "hinge"], "label_smoothing": 0.1},
+     r"label_smoothing = 0.1 has no meaning for dpo.loss: \['ipo', 'hinge'\] \(IPO has no label smoothing"),
+    ({"loss": ["sigmoid", "sft"], "loss_weights": [1.0]}, "dpo.loss_weights has 1 entries for 2 losses"),
+    ({"loss": "sft", "label_smoothing": 0.2}, r"has no meaning for dpo.loss: sft: set it to 0, or use a loss"),
+])
+def test_impossible_loss_settings_are_refused_by_the_stage(tmp_path, capsys, dpo, message):
+    """Refused before anything is loaded, with the stage's one-line refusal (the paths need not exist)."""
+    from stages import train_dpo
+    params = yaml.safe_load((REPO / "params.yaml").read_text())
+    params["dpo"].update({"objective": "dpo", "label_smoothing": 0.0, **dpo})
+    validate_params(params)                      # the schema allows each; the combination is what is refused
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(SystemExit) as exit_info:
+        train_dpo.main(["--params", str(tmp_path / "p.yaml"), "--model-dir", str(tmp_path / "absent"),
+                        "--train-tokens", "absent.parquet", "--probe-tokens", "absent.parquet",
+                        "--ref-logps", "absent.parquet", "--out-dir", str(tmp_path / "out")])
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    refusals = [line for line in err.splitlines() if "train_dpo: refused: " in line]
+    assert refusals and __import__("re").search(message, refusals[-1]), err
+
+
+def test_new_losses_keep_their_defining_properties():
+    """Checks from the papers' definitions (TRL parity: tests/test_trl_parity.py)."""
+    g = torch.Generator().manual_seed(4)
+    pc, pr, rc, rr = (-torch.rand(12, generator=g, dtype=torch.float64) * 40 for _ in range(4))
+    n_c, n_r = torch.randint(1, 30, (2, 12), generator=g)
+    kw = dict(chosen_tokens=n_c, rejected_tokens=n_r)
+    beta = 0.3
+
+    def loss(name, *args, **extra):
+        return dpo_pair_losses(*(args or (pc, pr, rc, rr)), beta=beta, loss_type=name, **kw, **extra)
+    # SimPO and ORPO never read a reference: the same loss under any reference log-probs
+    for name in ("simpo", "orpo"):
+        torch.testing.assert_close(loss(name), loss(name, pc, pr, rc * 0, rr * 0))
+    # SimPO, Eq. 6; ORPO, Eq. 6-7 (odds from the per-token mean probability)
+    a_c, a_r = pc / n_c, pr / n_r
+    torch.testing.assert_close(loss("simpo", simpo_gamma=0.7), -torch.log(torch.sigmoid(beta * (a_c - a_r) - 0.7)))
+    odds = lambda a: torch.exp(a) / (1 - torch.exp(a))          # noqa: E731
+    torch.testing.assert_close(loss("orpo"), -a_c - beta * torch.log(torch.sigmoid(torch.log(odds(a_c) / odds(a_r)))))
+    # SPPO (hard): zero exactly at log-ratios +-1/(2 beta)
+    half = torch.full((12,), 0.5 / beta, dtype=torch.float64)
+    assert loss("sppo_hard", half, -half, half * 0, half * 0).abs().max() < 1e-12
+    # AOT: one pair, or a batch the sort leaves in order, is the cDPO loss of each pair
+    one = [t[:1] for t in (pc, pr, rc, rr)]
+    torch.testing.assert_close(dpo_pair_losses(*one, beta=beta, loss_type="aot", label_smoothing=0.1),
+                               dpo_pair_losses(*one, beta=beta, label_smoothing=0.1))
+    # DiscoPOP: its exp term blended to 0 where the logistic term rules (a very negative margin): finite
+    z = torch.tensor([-2000.0, -5.0, 0.0, 5.0], dtype=torch.float64)
+    got = dpo_pair_losses(z, z * 0, z * 0, z * 0, beta=1.0, loss_type="discopop", discopop_tau=0.05)
+    m = torch.sigmoid(z / 0.05)
+    want = -torch.nn.functional.logsigmoid(z) * (1 - m) + torch.exp(-z) * m
+    assert torch.isfinite(got).all() and not torch.isfinite(want[0])          # the literal form is inf * 0
+    torch.testing.assert_close(got[1:], want[1:])
+    torch.testing.assert_close(got[0], torch.tensor(2000.0, dtype=torch.float64))
+    # the implicit rewards stay beta * log-ratio for every loss (reference-free: beta * log-prob)
+    objective = DPOObjective({"objective": "dpo_ref_free", "beta": beta, "loss": ["simpo", "sft"],
+                              "loss_weights": [1.0, 0.1], "label_smoothing": 0.0})
+    assert objective.needs_lengths and objective.fingerprint()["loss_weights"] == [1.0, 0.1]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -166,7 +238,7 @@ def test_length_normalized_ipo_counts_each_branch_completion_tokens_in_packed_ba
     rows = random_rows(9, seed=11, max_prompt=8, max_completion=12)
     pairs = load_token_pairs(write_token_parquet(tmp_path / "t.parquet", rows))
     micro = [4, 0, 7, 2, 8]
-    batch = build_packed_batch(pairs, micro, share_prompt=share_prompt)
+    batch = unpadded = build_packed_batch(pairs, micro, share_prompt=share_prompt)
     if pad:                                   # a CUDA-graph shape: a trash pair and empty pairs of weight 0
         d = batch.dims()
         shape = BatchDims(tokens=d.tokens + 6, keys=d.keys + 6 + 3, logp_tokens=d.logp_tokens + 5,
@@ -199,6 +271,27 @@ def test_length_normalized_ipo_counts_each_branch_completion_tokens_in_packed_ba
     torch.testing.assert_close(metrics[:len(micro), 5], beta * (pr - torch.from_numpy(ref[:, 1])[idx]))
     assert (batch.pair_weight[len(micro):] == 0).all()
 
+    # aot sorts over the micro-batch: the padding pairs of a CUDA-graph shape stay out of the sort, so the
+    # weighted sum is that of the unpadded batch (and the same for the length-normalised sigmoid_norm beside it)
+    mixed = DPOObjective({"objective": "dpo", "beta": beta, "loss": ["aot", "sigmoid_norm"], "label_smoothing": 0.1},
+                         {"train": ref}).to(torch.device("cpu"))
+    seq_unpadded = seq_out[:unpadded.n_seqs] if pad else seq_out
+    want_sum = (mixed.pair_terms(seq_unpadded, unpadded, "train")[0] * unpadded.pair_weight).sum()
+    got = mixed.pair_terms(seq_out, batch, "train")[0]
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close((got * batch.pair_weight).sum(), want_sum.to(got.dtype))
+    # ORPO's odds of a padding pair's empty sequences (mean log-prob 0) are infinite: loss and gradient stay finite
+    free = DPOObjective({"objective": "dpo_ref_free", "beta": beta, "loss": ["orpo", "simpo", "sft"],
+                         "label_smoothing": 0.0}).to(torch.device("cpu"))
+    seq_grad = seq_out.clone()
+    seq_grad[unpadded.n_seqs:] = 0.0                  # what the model sums for an empty sequence
+    seq_grad.requires_grad_(True)
+    got = free.pair_terms(seq_grad, batch, "train")[0]
+    (got * batch.pair_weight).sum().backward()
+    assert torch.isfinite(got).all() and torch.isfinite(seq_grad.grad).all()
+    want_sum = (free.pair_terms(seq_unpadded, unpadded, "train")[0] * unpadded.pair_weight).sum()
+    torch.testing.assert_close((got * batch.pair_weight).sum().detach(), want_sum.to(got.dtype))
+
 
 # ----------------------------------------------------------------------------------------------
 # End to end: the tiny model trains with each new option; first step = the independent implementation
@@ -224,7 +317,8 @@ def first_step_rows(train_path, params: dict) -> list[dict]:
             for mb in plan.rank_micro_batches[0] for i in mb]
 
 
-@pytest.mark.parametrize("loss,eps", [("ipo_length_normalized", 0.0), ("robust", 0.1), ("sigmoid", 0.2)])
+@pytest.mark.parametrize("loss,eps", [("ipo_length_normalized", 0.0), ("robust", 0.1), ("sigmoid", 0.2),
+                                      ("simpo", 0.0), ("orpo", 0.0), (["sigmoid", "sft"], 0.0)])
 def test_dpo_trains_end_to_end_with_each_convention(tmp_path, loss, eps):
     from transformers import AutoModelForCausalLM
     from stages import train_dpo
@@ -234,8 +328,10 @@ def test_dpo_trains_end_to_end_with_each_convention(tmp_path, loss, eps):
     write_token_parquet(tmp_path / "train.parquet", toy_task_rows(32, seed=1))
     write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(9, seed=2, prefix="q"))
     beta = 0.5
+    weights = [1.0, 0.5] if isinstance(loss, list) else None       # a TRL-style weighted list (RPO-like)
     params_path = write_params(tmp_path / "p.yaml", {"objective": "dpo_ref_free", "beta": beta, "loss": loss,
-                                                     "label_smoothing": eps})
+                                                     "label_smoothing": eps,
+                                                     **({"loss_weights": weights} if weights else {})})
     out = tmp_path / "dpo"
     train_dpo.main(["--params", str(params_path), "--model-dir", str(tmp_path / "model"),
                     "--train-tokens", str(tmp_path / "train.parquet"), "--probe-tokens", str(tmp_path / "probe.parquet"),
@@ -247,10 +343,18 @@ def test_dpo_trains_end_to_end_with_each_convention(tmp_path, loss, eps):
     logps = reference_seq_logps(model, seqs, pls).view(-1, 2)       # reference-free: the log-ratio is the log-prob
     pw, pl = logps[:, 0], logps[:, 1]
     zero = torch.zeros_like(pw)
+    n = torch.tensor([len(s) - p for s, p in zip(seqs, pls)], dtype=torch.float64).view(-1, 2)
+    assert (n[:, 0] != n[:, 1]).any()
     if loss == "ipo_length_normalized":
-        n = torch.tensor([len(s) - p for s, p in zip(seqs, pls)], dtype=torch.float64).view(-1, 2)
-        assert (n[:, 0] != n[:, 1]).any()
         want = paper_ipo(pw / n[:, 0] - pl / n[:, 1], beta)
+    elif loss == "simpo":              # SimPO Eq. 6, gamma = 0.5 (the default)
+        want = -torch.log(torch.sigmoid(beta * (pw / n[:, 0] - pl / n[:, 1]) - 0.5))
+    elif loss == "orpo":               # ORPO Eq. 6-7, lambda = beta
+        a_c, a_r = pw / n[:, 0], pl / n[:, 1]
+        log_odds = (a_c - torch.log(-torch.expm1(a_c))) - (a_r - torch.log(-torch.expm1(a_r)))
+        want = -a_c - beta * torch.log(torch.sigmoid(log_odds))
+    elif isinstance(loss, list):       # sigmoid + 0.5 * the chosen NLL per token
+        want = paper_dpo(pw, pl, zero, zero, beta) + 0.5 * (-pw / n[:, 0])
     elif loss == "robust":
         want = paper_robust(pw, pl, zero, zero, beta, eps)
     else:
