@@ -24,6 +24,7 @@ from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_to
                                stage_environment)
 from stages.engine.data import run_inference
 from stages.engine.dist import compute_dtype, disable_dropout, init_distributed, shutdown_distributed
+from stages.engine import startup
 from stages.engine.settings import TrainSettings
 
 log = logging.getLogger("ref_logps")
@@ -35,21 +36,29 @@ def _arguments(parser) -> None:
 
 
 def _run(args) -> None:
+    startup.CLOCK.reset()
+    startup.mark("imports")                            # process start to here: interpreter, torch, the engine
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     env = init_distributed(settings)
+    startup.mark("process_group")
     try:
         stage_environment(args, settings)
+        startup.mark("environment")
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
-        reference = SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=settings.logp_chunk_tokens,
-                                     compile_chunks=settings.compile)
+        startup.mark("tokens")
+        # Loaded in fp32 (on the GPU directly when there is one) and cast there: the same values, buffers
+        # included, as the policy's fp32 load and cast, so every step-0 pair ties exactly.
+        reference = SequenceLogProbs(load_causal_lm(model_dir, device=env.device),
+                                     chunk_tokens=settings.logp_chunk_tokens, compile_chunks=settings.compile)
         disable_dropout(reference)
         # The same weights dtype as the policy's step-0 probe pass, so every step-0 pair ties exactly.
         reference.requires_grad_(False).to(env.device, dtype=compute_dtype(settings))
         if settings.parallel == "fsdp2":      # shard a reference too large to replicate
             from stages.engine.dist import wrap_model
             reference = wrap_model(reference, reference.lm, settings, env)
+        startup.mark("model_load")
         splits, perf = {}, {}
         # The probe split first: like train_dpo's step-0 probe pass before its timed loop, it takes the
         # process's first-use costs (CUDA kernel loading, GEMM heuristics, allocator growth), so the train
@@ -71,7 +80,8 @@ def _run(args) -> None:
             write_parquet(Path(args.out), ref_logps_table([splits["train"], splits["probe"]]))
             log.info("wrote %s", args.out)
             if args.perf:
-                write_json(args.perf, perf)
+                # Process start to the first pass, by phase (stages/engine/startup.py).
+                write_json(args.perf, {**perf, "startup": startup.CLOCK.record()})
     finally:
         shutdown_distributed()
 

@@ -23,6 +23,7 @@ from stages.engine.dist import init_distributed, shutdown_distributed
 from stages.engine.export import ExportError
 from stages.engine.loop import train
 from stages.engine.modeling import ModelLoadError
+from stages.engine import startup
 from stages.engine.settings import TrainConfigError, TrainSettings
 
 
@@ -34,6 +35,8 @@ def _arguments(parser) -> None:
 
 
 def _run(args) -> dict:
+    startup.CLOCK.reset()
+    startup.mark("imports")                            # process start to here: interpreter, torch, the engine
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     dpo = params["dpo"]
@@ -41,9 +44,11 @@ def _run(args) -> dict:
     if dpo["objective"] == "dpo" and not args.ref_logps:
         raise TrainConfigError("dpo.objective is dpo: --ref-logps is required (run the ref_logps stage)")
     env = init_distributed(settings)
+    startup.mark("process_group")
     try:
         log = logging.getLogger("train_dpo")
         environment = stage_environment(args, settings)
+        startup.mark("environment")
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         ref = None
@@ -53,6 +58,7 @@ def _run(args) -> dict:
                    "probe": ref_logps_for(table, "probe", probe_pairs, args.ref_logps)}
         elif args.ref_logps:
             log.info("dpo_ref_free: --ref-logps %s is not read", args.ref_logps)
+        startup.mark("tokens")                         # (and the reference log-probs)
         return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
                      environment=environment, perf_path=args.perf)

@@ -22,6 +22,7 @@ from stages.engine.dist import init_distributed, shutdown_distributed
 from stages.engine.export import ExportError
 from stages.engine.loop import train
 from stages.engine.modeling import ModelLoadError
+from stages.engine import startup
 from stages.engine.settings import TrainSettings
 
 
@@ -32,13 +33,18 @@ def _arguments(parser) -> None:
 
 
 def _run(args) -> dict:
+    startup.CLOCK.reset()
+    startup.mark("imports")                            # process start to here: interpreter, torch, the engine
     params = load_params(args.params)
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     env = init_distributed(settings)
+    startup.mark("process_group")
     try:
         environment = stage_environment(args, settings)
+        startup.mark("environment")
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
+        startup.mark("tokens")
         objective = RewardObjective(params["rm"], train_pairs.margins, source=str(args.train_tokens))
         return train(objective, settings, env, model_dir=model_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),

@@ -204,6 +204,17 @@ def test_dpo_first_step_loss_grad_norm_and_ref_logps_match_independent_implement
     np.testing.assert_allclose([[r["policy_chosen_logp"], r["policy_rejected_logp"]] for r in step0], want,
                                rtol=0, atol=1e-5)
     assert all(r["ref_chosen_logp"] == 0.0 for r in step0)      # reference-free
+    # The start-up record (stages/engine/startup.py), in the perf JSON only: every phase up to the first
+    # optimizer step, in order, each a duration, the total their sum.
+    startup = json.loads((Path(str(out) + ".perf.json")).read_text())["startup"]
+    assert startup["order"] == ["imports", "process_group", "environment", "tokens", "model_load",
+                                               "to_device", "kernel_warmup", "plan", "wrap", "optimizer", "resume",
+                                               "probe_step0", "steps_setup", "first_step"]
+    assert all(v >= 0 for v in startup["phases_seconds"].values()) and startup["from"] == "process start"
+    assert startup["total_seconds"] == pytest.approx(sum(startup["phases_seconds"].values()), abs=0.01)
+    ref_startup = json.loads(Path(str(assets / "ref.parquet") + ".perf.json").read_text())["startup"]
+    assert ref_startup["order"] == ["imports", "process_group", "environment", "tokens", "model_load"]
+    assert "startup" not in (out / "run_info.json").read_text()
 
 
 def test_rm_first_step_loss_and_grad_norm_match_independent_implementation(assets):

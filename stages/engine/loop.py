@@ -51,6 +51,7 @@ from stages.lib.io import MEASUREMENT, write_json, write_jsonl, write_text
 from stages.engine.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
 from stages.engine.packing import StepPlan, TokenPairs, plan_training
 from stages.engine.step_profiler import StepProfiler
+from stages.engine import startup
 
 log = logging.getLogger("trainer")
 
@@ -129,6 +130,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     checkpoint of this exact run exists."""
     seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
     module = objective.build_module(model_dir, settings)
+    startup.mark("model_load")
     hf = objective.hf_model(module)
     # A reward model's score positions follow its pad id (HF's pooling): set, or refused, before any work.
     train_pairs, probe_pairs = objective.prepare_pairs(hf, train_pairs), objective.prepare_pairs(hf, probe_pairs)
@@ -146,15 +148,20 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
         masters = {id(p): p.detach() for p in module.parameters()}
         module.to(dtype=compute_dtype(settings))
     objective.to(env.device)
+    startup.mark("to_device")
     # Triton compiles a kernel on its first launch: do it now, not inside the timed loop's first step.
     mixed = env.device.type == "cuda" and settings.precision in ("bf16", "autocast")
     kernel_warmup_s = warm_up_fused_kernels(hf, env.device, torch.bfloat16 if mixed else torch.float32,
                                             torch.float32 if settings.precision == "autocast" else None)
+    startup.mark("kernel_warmup")
     plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
                           global_batch_pairs=settings.global_batch_pairs,
                           micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
+    startup.mark("plan")
     model = wrap_model(module, hf, settings, env)
+    startup.mark("wrap")
     optimizer = build_optimizer(module, settings, env, masters)   # after wrapping: FSDP2 replaces the parameters
+    startup.mark("optimizer")
     del masters
     run = Run(objective, settings, env, module, hf, model, optimizer,
               LRSchedule(settings, len(plans)), plans, train_pairs, probe_pairs, Path(out_dir),
@@ -172,6 +179,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
                                                 env=env)
         run.state = TrainState(step=saved["step"], tokens=saved["tokens"], log_rows=saved["log_rows"])
         log.info("resuming from %s: %d of %d optimizer steps done", run.resumed[0], run.state.step, len(plans))
+    startup.mark("resume")
     log.info("objective %s: %d train pairs, %d probe pairs, %d optimizer steps, world %d (%s, %s), %.2fM params, "
              "attention %s", objective.name, len(train_pairs), len(probe_pairs), len(plans), env.world_size,
              env.backend, settings.parallel, run.n_params / 1e6,
@@ -274,6 +282,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
         run.step0_rows = probe(run, "step0")
     elif env.is_main:   # the step-0 model is gone; its probe rows were saved with the checkpoint
         write_jsonl(run.out_dir / "probe_step0.jsonl", run.step0_rows)
+    startup.mark("probe_step0")
 
     run.model.train()
     my_micro_batches = [mb for s in plans[state.step:] for mb in s.rank_micro_batches[env.rank]]
@@ -283,7 +292,9 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
                                share_prompt=settings.share_prompt, pad_to=steps.pad_to)
     train_log = TrainLog(run)
     profiler = StepProfiler.from_env(env.device, env.is_main, state.step)   # PREFPIPE_PROFILE: off by default
+    startup.mark("steps_setup")
     t_train = time.perf_counter()
+    first_step = True
     with steps.loop_context():
         for plan in plans[state.step:]:
             if profiler is not None:
@@ -293,6 +304,12 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
                 env, len(mine), sum(map(len, mine)), int(sum(pair_tokens[mb].sum() for mb in mine)))
             lr = run.schedule.apply(run.optimizer, state.step)
             values = steps.step(n_micro, len(mine), batches, env.world_size / global_pairs)
+            if first_step:
+                # The start-up record ends when the first optimizer step has run on the device (one sync, once).
+                if env.device.type == "cuda":
+                    torch.cuda.synchronize(env.device)
+                startup.mark("first_step")
+                first_step = False
             state.step += 1
             state.tokens += global_tokens
             if profiler is not None:
@@ -359,6 +376,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "cpu_max_rss",
         "kernel_warmup_seconds": round(run.kernel_warmup_s, 3),
         "cuda_graphs": graph_times,
+        # Process start to the first optimizer step, by phase (stages/engine/startup.py).
+        "startup": startup.CLOCK.record(),
     }
     if env.is_main:
         write_train_log(run.out_dir / "train_log.csv", state.log_rows)

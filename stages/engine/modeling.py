@@ -41,15 +41,28 @@ from stages.engine import kernels
 
 PACKED_ATTENTION = "prefpipe_packed_varlen"
 
-try:  # optional: classic flash-attn 2 (source build only); torch's varlen is the default fast path
-    from flash_attn import flash_attn_varlen_func as _flash_attn_varlen_func
-except Exception:  # noqa: BLE001 - any import failure means "not available"
-    _flash_attn_varlen_func = None
+_UNRESOLVED = object()
+_flash_attn_varlen_func = _UNRESOLVED   # resolved on first CUDA use (_varlen_kernels): importing
+_torch_varlen_attn = _UNRESOLVED        # torch.nn.attention.varlen pulls in torch._dynamo (~2 s), which a CPU
+                                        # run never needs; a GPU run pays it once, at its first attention call
 
-try:
-    from torch.nn.attention.varlen import varlen_attn as _torch_varlen_attn
-except Exception:  # noqa: BLE001
-    _torch_varlen_attn = None
+
+def _varlen_kernels():
+    """(flash_attn_varlen_func or None, torch varlen_attn or None), imported once."""
+    global _flash_attn_varlen_func, _torch_varlen_attn
+    if _flash_attn_varlen_func is _UNRESOLVED:
+        try:  # optional: classic flash-attn 2 (source build only); torch's varlen is the default fast path
+            from flash_attn import flash_attn_varlen_func as found
+        except Exception:  # noqa: BLE001 - any import failure means "not available"
+            found = None
+        _flash_attn_varlen_func = found
+    if _torch_varlen_attn is _UNRESOLVED:
+        try:
+            from torch.nn.attention.varlen import varlen_attn as found
+        except Exception:  # noqa: BLE001
+            found = None
+        _torch_varlen_attn = found
+    return _flash_attn_varlen_func, _torch_varlen_attn
 
 
 USED_BACKENDS: set[str] = set()   # which attention kernels actually ran in this process (run_info)
@@ -65,9 +78,10 @@ class ModelLoadError(ValueError):
 
 def attention_backend(device: torch.device, dtype: torch.dtype) -> str:
     if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
-        if _flash_attn_varlen_func is not None:
+        flash, varlen = _varlen_kernels()
+        if flash is not None:
             return "flash_attn"
-        if _torch_varlen_attn is not None:
+        if varlen is not None:
             return "torch_varlen"
     return "sdpa_per_sequence"
 
@@ -334,12 +348,12 @@ def warm_up_fused_kernels(model: nn.Module, device: torch.device, dtype: torch.d
 
 
 def register_packed_attention() -> str:
+    """Make PACKED_ATTENTION a transformers attn_implementation (idempotent). Called by the loaders below, not
+    at import: the registry lives in transformers submodules that cost ~1.5 s to import, and importing this
+    module should not (the stage CLIs import it before they know whether a model is needed)."""
     from transformers import AttentionInterface
     AttentionInterface.register(PACKED_ATTENTION, packed_attention_forward)
     return PACKED_ATTENTION
-
-
-register_packed_attention()
 
 
 def decoder_hidden_states(body: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -440,14 +454,18 @@ def _refuse_head(model_dir, config, want: str) -> None:
                              "a DPO policy/reference must be a causal LM")
 
 
-def load_causal_lm(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_causal_lm(model_dir, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
     """The policy / reference: a causal LM with the packed attention. Refuses a checkpoint whose
-    weights do not cover the model (e.g. a reward model's directory loaded as a causal LM)."""
+    weights do not cover the model (e.g. a reward model's directory loaded as a causal LM).
+    device (CUDA): the safetensors are read straight into GPU memory, not through a CPU copy; elsewhere the
+    model is loaded on the CPU, as before (CPU results unchanged)."""
     from transformers import AutoConfig, AutoModelForCausalLM
     config = AutoConfig.from_pretrained(model_dir)
     _refuse_head(model_dir, config, "causal_lm")
-    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation=PACKED_ATTENTION,
-                                                       output_loading_info=True)
+    placement = {"device_map": {"": device}} if device is not None and device.type == "cuda" else {}
+    model, info = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype,
+                                                       attn_implementation=register_packed_attention(),
+                                                       output_loading_info=True, **placement)
     if info.get("missing_keys"):
         raise ModelLoadError(f"{model_dir}: weights missing from the checkpoint: {sorted(info['missing_keys'])[:8]}")
     model.prefpipe_fused_kernels = use_fused_kernels(model)
@@ -504,7 +522,8 @@ def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Modul
     hf_logging.set_verbosity_error()
     try:
         model, info = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, num_labels=1, dtype=dtype, attn_implementation=PACKED_ATTENTION, output_loading_info=True)
+            model_dir, num_labels=1, dtype=dtype, attn_implementation=register_packed_attention(),
+            output_loading_info=True)
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = [k for k in info.get("missing_keys", []) if not k.startswith("score.")]
