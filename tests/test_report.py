@@ -134,6 +134,8 @@ def test_dvc_hash_matches_dvc_data_for_file_and_dir(tmp_path):
         assert ours["md5"] == obj.hash_info.value and ours["size"] == meta.size
         if target.is_dir():
             assert ours["nfiles"] == meta.nfiles == 4 and ours["md5"].endswith(".dir")
+    # The bundle's way: every file of every path hashed at once in a thread pool; the same digests.
+    assert rp.dvc_hashes([d, d / "x.txt", d / "a"]) == [rp.dvc_hash(d), rp.dvc_hash(d / "x.txt"), rp.dvc_hash(d / "a")]
 
 
 def test_tar_is_deterministic_and_normalized():
