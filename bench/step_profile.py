@@ -58,7 +58,7 @@ def main(argv=None) -> None:
               "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     result["workload"] = gpu_bench.prepare_tokens(shared / "data/hh-rlhf/harmless-base-test.jsonl.gz", gpt2,
                                                   args.pairs, 64, 1024, work)
-    model_dir, _, _ = gpu_bench.make_model(args.shape, gpt2, work)
+    model_dir, _ = gpu_bench.make_model(args.shape, gpt2, work)
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     common = {"train.gpus": 1 if cuda else 0, "train.epochs": 1, "train.global_batch_pairs": 8, "train.lr": 5e-7,
               "train.warmup_ratio": 0.0, "train.micro_batch_tokens": 16384, "tokenize.max_length": 1024,

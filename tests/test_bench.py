@@ -1,4 +1,5 @@
-"""The GPU benchmark's workload builders, on CPU: long concatenations and the patched TRL anchor."""
+"""The GPU benchmark on CPU: workload builders, the patched TRL anchor, shapes / FLOPs / failure recording, and a
+tiny LoRA smoke run."""
 from __future__ import annotations
 
 import gzip
@@ -40,6 +41,9 @@ def test_trl_anchor_patch_changes_only_the_workload(tmp_path):
     assert "max_length=4096" in patched and ", 4096)" in patched and json.dumps(str(data)) in patched
     # the default workload leaves the anchor as it is; an anchor that no longer matches fails loudly
     assert gpu_bench.patched_trl_anchor(ANCHOR, "qwen2.5-0.5b", 1024, None, tmp_path / "same.py").read_text() == original
+    # the anchor hard-codes 2 KV heads, vocab 151,936 and tied embeddings: 7B goes to trl_peft_runner instead
+    with pytest.raises(SystemExit, match="hard-codes"):
+        gpu_bench.patched_trl_anchor(ANCHOR, "qwen2.5-7b", 1024, None, tmp_path / "7b.py")
     other = tmp_path / "other_anchor.py"
     other.write_text(original.replace("max_length=1024", "max_length=2048"))
     with pytest.raises(SystemExit, match="cannot patch"):
@@ -65,3 +69,108 @@ def test_step_profile_profiles_the_real_stage_on_cpu(tmp_path):
     steady = (out.parent / "step_profile_train_dpo_eager_steady.txt").read_text()
     assert "optimizer steps 2..3" in steady and "aten::mm" in steady
     assert "aten::" in (out.parent / "step_profile_train_dpo_eager_first_step.txt").read_text()
+
+
+def test_shapes_param_counts_and_lora_flops_match_transformers_and_peft():
+    """param_counts against the real transformers model of every shape (built on the meta device, so 7B costs
+    nothing), lora_parameters against peft's own adapter, and mode_flops's convention (full 6N; LoRA 4(N+A)+2T)
+    on counts read from those models."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+    for name, shape in gpu_bench.SHAPES.items():
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(gpu_bench.qwen2_config(name, 50256))
+        counts = gpu_bench.param_counts(shape)
+        assert counts["total"] == sum(p.numel() for p in model.parameters()), name
+        assert counts["lm_head"] == model.get_output_embeddings().weight.numel()
+        assert (model.get_output_embeddings().weight is model.get_input_embeddings().weight) == shape["tie_word_embeddings"]
+        if name == "qwen2.5-7b":
+            assert counts["total"] > 7.6e9 and shape["vocab_size"] == 152064 and not shape["tie_word_embeddings"]
+    shape = gpu_bench.SHAPES["qwen2.5-7b"]
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(gpu_bench.qwen2_config("qwen2.5-7b", 50256))
+    # N of the DPO policy: every matmul weight the forward runs = all parameters but the input embedding lookup
+    n = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" not in name)
+    lora = gpu_bench.LORA
+    peft_model = get_peft_model(model, LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=0.0,
+                                                  target_modules=lora["target_modules"], task_type="CAUSAL_LM"))
+    a = sum(p.numel() for p in peft_model.parameters() if p.requires_grad)
+    assert a == gpu_bench.lora_parameters(shape, lora["r"], lora["target_modules"])
+    tokens = 1000
+    assert gpu_bench.mode_flops(shape, "dpo", tokens, 0) == 6 * n * tokens
+    assert gpu_bench.mode_flops(shape, "dpo", tokens, 0, lora) == (4 * (n + a) + 2 * a) * tokens
+    # plus DPO's reference pass: a forward of the base alone (the reference has no adapters)
+    assert gpu_bench.mode_flops(shape, "dpo", tokens, 0, lora, reference_pass=True) == (4 * (n + a) + 2 * a + 2 * n) * tokens
+    # the RM runs no LM head but a scalar score head, trained in full beside the adapters
+    n_rm = n - shape["vocab_size"] * shape["hidden_size"] + shape["hidden_size"]
+    assert gpu_bench.mode_flops(shape, "rm", tokens, 0) == 6 * n_rm * tokens
+    t_rm = a + shape["hidden_size"]
+    assert gpu_bench.mode_flops(shape, "rm", tokens, 0, lora) == (4 * (n_rm + a) + 2 * t_rm) * tokens
+    with pytest.raises(SystemExit, match="not Qwen2 Linear"):
+        gpu_bench.lora_parameters(shape, 16, ["qkv_proj"])
+
+
+def test_a_failed_mode_is_recorded_as_oom_or_failed(tmp_path):
+    """sh() raises StageFailed with the log's tail; failure_record says "oom" when the log names a CUDA
+    out-of-memory (what torch raises), "failed" otherwise."""
+    import sys as _sys
+    oom = "import torch; raise torch.OutOfMemoryError('CUDA out of memory. Tried to allocate 20.00 GiB')"
+    with pytest.raises(gpu_bench.StageFailed) as e:
+        gpu_bench.sh([_sys.executable, "-c", oom], log=tmp_path / "oom.out")
+    rec = gpu_bench.failure_record(e.value)
+    assert rec["status"] == "oom" and rec["returncode"] == 1 and "Tried to allocate 20.00 GiB" in rec["error"]
+    with pytest.raises(gpu_bench.StageFailed) as e:
+        gpu_bench.sh([_sys.executable, "-c", "raise ValueError('bad shard')"], log=tmp_path / "bad.out")
+    rec = gpu_bench.failure_record(e.value)
+    assert rec["status"] == "failed" and "bad shard" in rec["error"]
+    assert gpu_bench.sh([_sys.executable, "-c", "pass"], log=tmp_path / "ok.out") > 0
+
+
+def test_modes_expand_and_the_lora_mode_needs_the_adapter_param():
+    assert gpu_bench.expand_modes("ours,trl_peft,ours_rm") == ["ours_dpo", "ours_rm", "trl_dpo_peft", "trl_rm_peft"]
+    assert gpu_bench.expand_modes("ours_lora, trl_dpo") == ["ours_lora_dpo", "ours_lora_rm", "trl_dpo"]
+    with pytest.raises(SystemExit, match="unknown mode 'lora'"):
+        gpu_bench.expand_modes("ours,lora")
+    import copy
+    import yaml
+    from stages.lib.params import load_schema
+    schema, base = load_schema(), yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    if "adapter" in schema["properties"]["train"]["properties"]:
+        adapter = gpu_bench.lora_adapter(schema, base)
+        assert adapter == {**gpu_bench.LORA, "export": "adapter"}     # the cheapest export the schema offers
+        assert gpu_bench.lora_adapter(schema, base, export="merged")["export"] == "merged"
+        with pytest.raises(SystemExit, match="does not match"):
+            gpu_bench.lora_adapter(schema, base, export="zip")
+    without = copy.deepcopy(schema)
+    without["properties"]["train"]["properties"].pop("adapter", None)
+    with pytest.raises(SystemExit, match="no train.adapter"):
+        gpu_bench.lora_adapter(without, base)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")
+def test_lora_reward_model_mode_runs_on_cpu(tmp_path):
+    """`--modes ours_lora_rm` end to end on the tiny shape: the model made once (then reused from the cache),
+    the real train_rm stage under torchrun with train.adapter, its row and JSON. (The DPO modes cost the
+    tiny shape's 151,936-vocab LM head on CPU: minutes, not run here.)"""
+    from stages.lib.params import load_schema
+    if "adapter" not in load_schema()["properties"]["train"]["properties"]:
+        pytest.skip("train.adapter (issue 20 part 1) is not in this tree's params schema")
+    out = tmp_path / "results" / "bench.json"
+    cache = tmp_path / "models"
+    argv = ["--shared", str(SHARED_DATA.parent), "--out", str(out), "--shape", "tiny", "--pairs", "16",
+            "--probe-pairs", "4", "--max-length", "128", "--modes", "ours_lora_rm", "--model-cache", str(cache),
+            "--work", str(tmp_path / "work")]
+    gpu_bench.main(argv)
+    result = json.loads(out.read_text())
+    assert result["model"]["cached"] is False
+    (row,) = result["table"]
+    assert row["mode"] == "ours_lora_rm" and row["status"] == "ok" and row["tokens"] == result["workload"]["train"]["tokens"]
+    assert row["tokens_per_s"] > 0 and row["peak_mem_gib"] > 0
+    assert result["overrides"]["ours_lora"]["train.adapter"]["type"] == "lora"
+    info = result["ours_lora"]["train_rm"]
+    assert info["settings"]["adapter"]["r"] == gpu_bench.LORA["r"]
+    assert not (tmp_path / "work" / "ours_lora_train_rm" / "model").exists()    # the export is removed
+    # a later invocation reuses the model the first one wrote
+    model_dir, facts = gpu_bench.make_model("tiny", SHARED_DATA / "tokenizers" / "gpt2", cache)
+    assert facts["cached"] is True and str(model_dir) == result["model"]["dir"]
