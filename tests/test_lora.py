@@ -231,20 +231,26 @@ def test_lora_resume_equals_uninterrupted_and_checkpoints_hold_only_the_trained_
     assert info["resumed_from_step"] is None
 
 
-def test_lora_rm_under_torchrun_dp2_equals_dp1(assets):
-    """DDP over the adapters and the head only (the frozen base has no gradient to reduce)."""
+def test_lora_rm_under_torchrun_ddp_and_fsdp2_dp2_equal_dp1(assets):
+    """DDP over the adapters and the head only (the frozen base has no gradient to reduce); FSDP2 shards the
+    frozen base with them and gathers the adapter state for the export."""
+    from safetensors.torch import load_file
     from stages import train_rm
     params = write_params(assets / "p.yaml", train={"epochs": 1, "adapter": lora(export="adapter")})
+    fsdp2 = write_params(assets / "f.yaml", train={"epochs": 1, "parallel": "fsdp2", "adapter": lora(export="adapter")})
     train_rm.main(stage_args(assets, "--out-dir", assets / "dp1", params))       # one process, in this one
-    torchrun(2, "stages.train_rm", stage_args(assets, "--out-dir", assets / "dp2", params))
-    from safetensors.torch import load_file
-    one, two = (load_file(assets / f"dp{n}/model/adapter_model.safetensors") for n in (1, 2))
-    assert set(one) == set(two)
-    for k in one:
-        torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=1e-5, msg=k)
-    l1, l2 = (pd.read_csv(assets / f"dp{n}/train_log.csv") for n in (1, 2))
-    np.testing.assert_allclose(l2.loss, l1.loss, rtol=1e-5)
-    assert json.loads((assets / "dp2/run_info.json").read_text())["world_size"] == 2
+    torchrun(2, "stages.train_rm", stage_args(assets, "--out-dir", assets / "ddp", params))
+    torchrun(2, "stages.train_rm", stage_args(assets, "--out-dir", assets / "fsdp2", fsdp2))
+    one = load_file(assets / "dp1/model/adapter_model.safetensors")
+    l1 = pd.read_csv(assets / "dp1/train_log.csv")
+    for name in ("ddp", "fsdp2"):
+        two = load_file(assets / f"{name}/model/adapter_model.safetensors")
+        assert set(one) == set(two)
+        for k in one:
+            torch.testing.assert_close(two[k], one[k], rtol=1e-4, atol=2e-5, msg=lambda m: f"{name} {k}: {m}")
+        np.testing.assert_allclose(pd.read_csv(assets / f"{name}/train_log.csv").loss, l1.loss, rtol=1e-5)
+        info = json.loads((assets / f"{name}/run_info.json").read_text())
+        assert info["world_size"] == 2 and info["parallel"] == name
 
 
 def test_lora_in_bf16_precision_trains_and_merges_into_the_fp32_base(assets):
@@ -272,7 +278,6 @@ def test_lora_in_bf16_precision_trains_and_merges_into_the_fp32_base(assets):
     (lora(target_modules=["lm_head"]), "ddp", "matches the LM head"),
     (lora(target_modules=["q_proj", "nope_proj"]), "ddp", "'nope_proj' names no module"),
     (lora(target_modules=["embed_tokens"]), "ddp", "not nn.Linear"),
-    (lora(), "fsdp2", "fsdp2 is not supported"),
 ])
 def test_adapter_refusals_name_the_knob(assets, adapter, parallel, match):
     from stages import train_dpo

@@ -11,7 +11,7 @@
   directory, since the base model a user loads has no trained head).
 - Refused (TrainConfigError, before anything is built): LoRA on the LM head (the chunked log-probs read the
   head's weight directly, so an adapter there would be skipped), on `score` (it trains in full already),
-  target modules the model does not have, FSDP2 (the adapter export/checkpoint gathers are not written yet).
+  target modules the model does not have, modules that are not nn.Linear.
 - Export (`export`): `merged` = the usual HF directory with W + (alpha / r) B A folded in, made from a fresh
   load of the base weights (so a bf16 run's frozen base is not rounded into the export); `adapter` = peft's
   layout (adapter_config.json + adapter_model.safetensors, loadable by `PeftModel.from_pretrained(base, dir)`)
@@ -59,10 +59,6 @@ def check_adapter_settings(adapter: dict | None, settings, hf: nn.Module, head: 
     """Refuse what the adapters cannot do here, naming the knob (before the model is changed)."""
     if adapter is None:
         return
-    if settings.parallel == "fsdp2":
-        raise TrainConfigError("train.adapter with train.parallel fsdp2 is not supported (the adapter checkpoint "
-                               "and export gathers are written for DDP only); use parallel: ddp, the adapters' "
-                               "gradients and optimizer state are small")
     names = dict(hf.named_modules())
     head_names = {n for n, m in names.items() if m is hf.get_output_embeddings()} if head == "lm_head" else set()
     for target in adapter["target_modules"]:

@@ -69,12 +69,12 @@ def export_tokenizer_pad(export_dir: Path, pad_token_id: int) -> None:
                           "be scored at another token than the one trained")
 
 
-def export_adapter(adapter: Adapter, hf: nn.Module, objective, settings: TrainSettings, src_dir: Path,
+def export_adapter(adapter: Adapter, hf_state: dict, objective, settings: TrainSettings, src_dir: Path,
                    tmp: Path) -> list[Path]:
     """train.adapter's export into `tmp`: merged (the HF model, W + (alpha / r) B A folded into a fresh fp32 load of
     the base weights, so a bf16 run's frozen base is not rounded into it), adapter (peft's directory) or both
     (merged, and the adapter directory in ADAPTER_SUBDIR). Returns the directories that get the tokenizer."""
-    state = adapter_state_dict(adapter, hf.state_dict())
+    state = adapter_state_dict(adapter, hf_state)
     kind = adapter.settings["export"]
     dirs = [tmp]
     if kind in ("merged", "both"):
@@ -117,7 +117,9 @@ def export_model(module: nn.Module, objective, settings: TrainSettings, env: Dis
             hf.save_pretrained(tmp, state_dict=state)
             dirs = [tmp]
         else:
-            dirs = export_adapter(adapter, hf, objective, settings, Path(src_dir), tmp)
+            # FSDP2: the full state gathered above (the adapters' weights are sharded like the rest).
+            dirs = export_adapter(adapter, hf.state_dict() if state is None else state, objective, settings,
+                                  Path(src_dir), tmp)
         for d in dirs:
             # The tokenizer (every file contracts.TOKENIZER_FILES names) and the generation defaults beside it.
             for name in (*TOKENIZER_FILES, "generation_config.json"):
