@@ -3,6 +3,7 @@ parity of our steps with plain peft + torch, step 0 == reference, the merged and
 transformers / peft, resume, DP=2 under torchrun, refusals, and that LoRA DPO and RM learn on the default data."""
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -327,6 +328,36 @@ def test_graph_optimizer_step_over_adapters_equals_the_eager_step(master):
     assert all(torch.equal(p, frozen[n]) and p.grad is None
                for n, p in models[1].named_parameters() if not p.requires_grad)
     assert all(p.abs().sum() > 0 for n, p in models[1].named_parameters() if "lora_B" in n)   # B moved off 0
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fused_kernel_routing_keeps_the_adapters(tmp_path):
+    """The CUDA routing (q|k|v and gate|up as one GEMM, rotary and silu-mul kernels; run by Triton's interpreter
+    on CPU, tests/test_kernels.py) with LoRA on every linear layer equals the plain CPU run: the q|k|v GEMM runs
+    on the base layers under lora.Linear, and gate|up is not grouped (a lora.Linear's .weight is its base
+    weight: one GEMM over it would drop the adapter)."""
+    from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
+    from stages.engine.data import model_inputs
+    from stages.engine.modeling import SequenceLogProbs
+    from stages.engine.packing import build_packed_batch, load_token_pairs
+    from test_kernels import interpret
+    from triton_interpret_checks import lora_model
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    parquet = write_token_parquet(tmp_path / "t.parquet", random_rows(2, seed=4))     # interpreted kernels: slow
+    interpret("model_lora", str(model_dir), str(parquet), str(tmp_path / "fused.pt"))
+    fused = torch.load(tmp_path / "fused.pt")
+    assert fused["calls"] == {"rotary_qk": 2, "silu_mul_halves": 0, "grouped_linear": 2}   # q|k|v only
+
+    torch.manual_seed(0)
+    model = SequenceLogProbs(lora_model(str(model_dir)), chunk_tokens=16)
+    pairs = load_token_pairs(parquet)
+    logps = model(**model_inputs(build_packed_batch(pairs, list(range(len(pairs))), share_prompt=True)))
+    logps.sum().backward()
+    torch.testing.assert_close(fused["logps"], logps.detach(), rtol=1e-6, atol=1e-5)
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    assert grads.keys() == fused["grads"].keys() and all("lora_" in n for n in grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(fused["grads"][n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
 @pytest.mark.parametrize("adapter, parallel, match", [

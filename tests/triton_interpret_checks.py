@@ -3,6 +3,7 @@ real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same
 
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py kernels
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model <model_dir> <token_parquet> <out.pt>
+    TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model_lora <model_dir> <token_parquet> <out.pt>
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_adamw
 """
 from __future__ import annotations
@@ -65,7 +66,24 @@ def check_kernels() -> None:
     print("kernels ok")
 
 
-def model_outputs(model_dir: str, parquet: str, out: str) -> None:
+def lora_model(model_dir: str):
+    """The tiny causal LM with LoRA on every linear layer (stages/engine/adapters.py) and lora_B drawn non-zero,
+    so the adapters change the output: the fused routing must keep them (tests/test_lora.py)."""
+    from stages.engine.adapters import attach_adapter
+    from stages.engine.modeling import load_causal_lm
+    lm = load_causal_lm(model_dir)
+    torch.manual_seed(0)
+    attach_adapter(lm, {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "export": "merged",
+                        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]},
+                   "lm_head")
+    with torch.no_grad():
+        for n, p in lm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return lm
+
+
+def model_outputs(model_dir: str, parquet: str, out: str, lora: bool = False) -> None:
     """The packed model's log-probs and gradients with the fused routing live (interpreted kernels)."""
     from stages.engine import kernels, modeling
     from stages.engine.modeling import SequenceLogProbs, load_causal_lm
@@ -80,7 +98,7 @@ def model_outputs(model_dir: str, parquet: str, out: str) -> None:
             return _fn(*a)
         setattr(owner, name, counted)
     torch.manual_seed(0)
-    lm = load_causal_lm(model_dir)
+    lm = lora_model(model_dir) if lora else load_causal_lm(model_dir)
     model = SequenceLogProbs(lm, chunk_tokens=16)
     pairs = load_token_pairs(Path(parquet))
     logps = model(**model_inputs(build_packed_batch(pairs, list(range(len(pairs))), share_prompt=True)))
@@ -208,5 +226,7 @@ if __name__ == "__main__":
         check_kernels()
     elif sys.argv[1] == "flat_adamw":
         check_flat_adamw()
+    elif sys.argv[1] == "model_lora":
+        model_outputs(*sys.argv[2:5], lora=True)
     else:
         model_outputs(*sys.argv[2:5])
