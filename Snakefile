@@ -32,6 +32,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
+include: "workflow/rules/slurm.smk"
 
 
 rule all:

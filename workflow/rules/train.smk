@@ -1,5 +1,6 @@
 # Training stages, launched by torchrun: one process per GPU (nccl), or train.cpu_procs processes
-# on CPU (gloo) when train.gpus is 0. The reference is read only through its verified identity.
+# on CPU (gloo) when train.gpus is 0, on each of slurm.nodes Slurm nodes (workflow/launch.py).
+# The reference is read only through its verified identity.
 # Checkpoints (train.save_every) go to checkpoints/<stage>/, NOT a declared output: Snakemake and DVC
 # delete outputs before rerunning a rule, and a rerun after a crash must find them (--resume auto
 # resumes only a checkpoint of this exact run: same params, data, reference, world size). A completed
@@ -7,8 +8,15 @@
 
 import os
 
+from launch import torchrun_launch, train_resources
+
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
+SLURM = config["slurm"]
+# One node: `torchrun --standalone --nproc-per-node NPROC` (unchanged); slurm.nodes > 1: srun + c10d
+# rendezvous inside one Slurm allocation (workflow/launch.py). A `cli_` param: it shows in dvc.yaml's cmd.
+LAUNCH = torchrun_launch(NPROC, nodes=SLURM["nodes"], rdzv_port=SLURM["rdzv_port"])
+TRAIN_RESOURCES = train_resources(TRAIN["gpus"], NPROC, TRAIN["cpu_threads"], SLURM)
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
 USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
@@ -24,6 +32,7 @@ rule ref_logps:
     output:
         ref_logps=f"{RESULTS}/ref_logps/ref_logps.parquet",
     params:
+        cli_launch=LAUNCH,
         # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
         train__inference_micro_batch_tokens=TRAIN["inference_micro_batch_tokens"],
         train__logp_chunk_tokens=TRAIN["logp_chunk_tokens"],
@@ -32,8 +41,7 @@ rule ref_logps:
         train__share_prompt=TRAIN["share_prompt"],
         train__compile=TRAIN["compile"],
     resources:
-        gpu=TRAIN["gpus"],
-        nproc=NPROC,
+        **TRAIN_RESOURCES,
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -43,9 +51,10 @@ rule ref_logps:
     benchmark:
         f"{LOGS}/benchmarks/ref_logps.tsv"
     shell:
-        # --standalone: a private rendezvous on a free local port, so concurrent torchrun jobs never collide;
+        # cli_launch (workflow/launch.py): one node = torchrun --standalone, a private rendezvous on a free local
+        # port, so concurrent torchrun jobs never collide; several = srun + c10d inside a Slurm allocation.
         # `--` keeps torchrun from reading our flags (`--log` is an ambiguous prefix of its --log-dir).
-        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.ref_logps -- --params params.yaml"
+        "{params.cli_launch} -m stages.ref_logps -- --params params.yaml"
         " --identity {input.identity}"
         " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out {output.ref_logps} --environment {input.environment} --log {log.main} --perf {log.perf}"
@@ -66,13 +75,13 @@ rule train_dpo:
         probe_step0=f"{RESULTS}/train_dpo/probe_step0.jsonl",
         probe_final=f"{RESULTS}/train_dpo/probe_final.jsonl",
     params:
+        cli_launch=LAUNCH,
         train=config["train"],
         dpo=config["dpo"],
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
         cli_ref_logps=lambda w, input: f"--ref-logps {input.ref_logps}" if USES_REF_LOGPS else "",
     resources:
-        gpu=TRAIN["gpus"],
-        nproc=NPROC,
+        **TRAIN_RESOURCES,
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -82,7 +91,7 @@ rule train_dpo:
     benchmark:
         f"{LOGS}/benchmarks/train_dpo.tsv"
     shell:
-        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_dpo -- --params params.yaml"
+        "{params.cli_launch} -m stages.train_dpo -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo"
         " --environment {input.environment} --log {log.main} --perf {log.perf}"
@@ -102,12 +111,12 @@ rule train_rm:
         probe_step0=f"{RESULTS}/train_rm/probe_step0.jsonl",
         probe_final=f"{RESULTS}/train_rm/probe_final.jsonl",
     params:
+        cli_launch=LAUNCH,
         train=config["train"],
         rm=config["rm"],
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
     resources:
-        gpu=TRAIN["gpus"],
-        nproc=NPROC,
+        **TRAIN_RESOURCES,
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -117,7 +126,7 @@ rule train_rm:
     benchmark:
         f"{LOGS}/benchmarks/train_rm.tsv"
     shell:
-        "torchrun --standalone --nproc-per-node {resources.nproc} -m stages.train_rm -- --params params.yaml"
+        "{params.cli_launch} -m stages.train_rm -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm"
         " --environment {input.environment} --log {log.main} --perf {log.perf}"
