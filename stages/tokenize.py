@@ -55,6 +55,10 @@ probe pair is recorded in the probe token manifest (`truncated`: index, pair_id,
 before/after, messages and characters dropped, and the token hash of what is scored). The pair keeps
 its pair_id (the source pair); its token_hash is that of the truncated tokens.
 The probe must come through whole: any probe pair that would be rejected fails the stage.
+
+Scale (run_streaming): train pairs are read in chunks (--chunk-pairs) and rendered + tokenized by
+`tokenize.workers` forked processes (0 = every core in the CPU affinity), written in input order as they
+come back; the outputs are the same bytes for any worker count and chunk size.
 """
 from __future__ import annotations
 
@@ -243,7 +247,7 @@ def chat_template_renderer(tokenizer):
 
 def render_chat(render, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
     """`render` from chat_template_renderer (or a tokenizer: its apply_chat_template is used)."""
-    if not callable(render):
+    if hasattr(render, "apply_chat_template"):  # a tokenizer (itself callable: test the method, not callable())
         tokenizer = render
         render = lambda messages, add_generation_prompt: tokenizer.apply_chat_template(  # noqa: E731
             messages, add_generation_prompt=add_generation_prompt, tokenize=False)
