@@ -1,7 +1,8 @@
 """Slurm: the training launch line (workflow/launch.py) and, under a real throwaway Slurm started on this
 machine (tests/slurm_cluster.py, two slurmd "nodes"), the default pipeline through Snakemake's Slurm
-executor with the committed profile, and a 2-node CPU training job launched the multi-node way
-(srun + torchrun --nnodes 2 + c10d, gloo) that equals the one-process result as the DP=2 tests require.
+executor with the committed profile (then train_rm again with slurm.nodes: 2, as one 2-node job through
+the plugin), and a 2-node CPU training job launched the multi-node way (srun + torchrun --nnodes 2 + c10d,
+gloo) that equals the one-process result as the DP=2 tests require.
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from test_pipeline_e2e import copy_checkout, dvc_changed_stages
 from test_train import assert_same_training, stage_args, torchrun, write_params
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
-from launch import first_hostname, node_address, torchrun_launch, train_resources  # noqa: E402
+from launch import first_hostname, job_nodelist, node_address, torchrun_launch, train_resources  # noqa: E402
 
 SLURM = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["slurm"]
 
@@ -70,6 +71,8 @@ def test_endpoint_parsing_refuses_what_it_cannot_use():
         first_hostname("\n")
     with pytest.raises(ValueError, match="gave no NodeAddr"):
         node_address("NodeName=n1 Arch=x86_64\n", "n1")
+    with pytest.raises(ValueError, match="gave no NodeList"):
+        job_nodelist("JobId=7 ReqNodeList=(null) ExcNodeList=(null) NodeList=(null)\n", "7")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -132,6 +135,9 @@ def test_two_node_training_under_srun_equals_one_process(slurm, tmp_path):
     r = subprocess.run(lookup, cwd=REPO_ROOT, env={**slurm.env, "SLURM_JOB_NODELIST": "nosuch"},
                        capture_output=True, text=True)
     assert r.returncode == 1 and "refused" in r.stderr and "nosuch" in r.stderr, r.stderr
+    # Inside a Snakemake jobstep only SLURM_JOB_ID survives: the node list then comes from the controller.
+    only_id = {k: v for k, v in slurm.env.items() if k != "SLURM_JOB_NODELIST"} | {"SLURM_JOB_ID": job_id}
+    assert run(lookup, REPO_ROOT, only_id, 30).strip() == f"{addr}:29611"
     info = yaml.safe_load((tmp_path / "two/run_info.json").read_text())
     assert info["world_size"] == 2 and info["backend"] == "gloo"
 
@@ -160,3 +166,17 @@ def test_default_pipeline_through_the_slurm_executor(slurm, tmp_path):
     assert dvc_changed_stages(repo) == set()
     for log in ("normalize", "train_dpo", "train_rm", "report"):
         assert (repo / f"logs/{log}.log").stat().st_size > 0, log
+
+    # slurm.nodes: 2 through the plugin (its mpi mode: the jobstep drops SLURM_JOB_NODELIST, so the
+    # endpoint lookup asks the controller): train_rm reruns as one job on both nodes, world size 2.
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("\n  nodes: 1\n", "\n  nodes: 2\n", 1))
+    run([sys.executable, "workflow/sync_dvc.py"], repo, slurm.env, 120)
+    out = run(["snakemake", "--executor", "slurm", "--workflow-profile", "workflow/profiles/slurm",
+               "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+               "--latency-wait", "5", "results/train_rm/run_info.json"], cwd=repo, env=slurm.env, timeout=900)
+    (job_id,) = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
+    line = run(["squeue", "--states=all", "-h", "-j", job_id, "-o", "%k|%T|%D"], repo, slurm.env, 30).strip()
+    assert line == "rule_train_rm|COMPLETED|2", line
+    info = yaml.safe_load((repo / "results/train_rm/run_info.json").read_text())
+    assert info["world_size"] == 2 and info["backend"] == "gloo"

@@ -82,15 +82,29 @@ def node_address(show_node_output: str, name: str) -> str:
     return m.group(1)
 
 
-def rdzv_endpoint(port: int, nodelist: str | None = None) -> str:
-    nodelist = nodelist if nodelist is not None else os.environ.get("SLURM_JOB_NODELIST", "")
-    if not nodelist:
-        raise ValueError("launch: refused: SLURM_JOB_NODELIST is not set: several nodes need a Slurm allocation")
+def job_nodelist(show_job_output: str, job_id: str) -> str:
+    """NodeList of `scontrol show job ID` (not ReqNodeList/ExcNodeList)."""
+    m = re.search(r"(?<![A-Za-z])NodeList=(\S+)", show_job_output)
+    if not m or m.group(1) == "(null)":
+        raise ValueError(f"launch: refused: `scontrol show job {job_id}` gave no NodeList (job not running?)")
+    return m.group(1)
+
+
+def rdzv_endpoint(port: int) -> str:
     def run(*cmd: str) -> str:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
             raise ValueError(f"launch: refused: `{' '.join(cmd)}` failed: {(r.stderr or r.stdout).strip()}")
         return r.stdout
+    # Snakemake's jobstep plugin passes a job's command only SLURM_JOB_ID (it drops the other SLURM_*
+    # variables before its inner srun), so the node list is asked of the controller when it is not set.
+    nodelist = os.environ.get("SLURM_JOB_NODELIST", "")
+    job_id = os.environ.get("SLURM_JOB_ID", "")
+    if not nodelist and job_id:
+        nodelist = job_nodelist(run("scontrol", "show", "job", job_id), job_id)
+    if not nodelist:
+        raise ValueError("launch: refused: neither SLURM_JOB_NODELIST nor SLURM_JOB_ID is set: several nodes "
+                         "need a Slurm allocation")
     name = first_hostname(run("scontrol", "show", "hostnames", nodelist))
     return f"{node_address(run('scontrol', 'show', 'node', name), name)}:{port}"
 
