@@ -16,3 +16,9 @@ for _rule in workflow.rules:
         # "" = let the cluster (or the plugin's guess) decide: the plugin treats a set resource as a request.
         if _value != "" and _name not in _rule.resources:
             _rule.resources[_name] = _value
+
+# tokenize declares `threads:` from the CPUs of the machine that builds the DAG (tokenize.workers: 0), which on a
+# cluster is the login node: the plugin would ask a compute node for that many CPUs. Ask for slurm.data_cpus.
+for _rule in workflow.rules:
+    if _rule.name == "tokenize" and "cpus_per_task" not in _rule.resources:
+        _rule.resources["cpus_per_task"] = config["slurm"]["data_cpus"]
