@@ -112,19 +112,25 @@ def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs") ->
 
     probe = pairs.take(pa.array(probe_rows, pa.int64()))
     train = pairs.take(pa.array(train_rows, pa.int64()))
+    manifest = probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, len(train_rows))
+    return ProbeSplit(train=train, probe=probe, manifest=manifest)
+
+
+def probe_manifest(size: int, seed: int, pair_ids, hashes, probe_rows, excluded_rows, train_pairs: int) -> dict:
+    """probe_manifest.json (docs/ARTIFACTS.md) from row indices into the pairs' IDs and content hashes; the one
+    builder of both paths (in memory, streaming), so their manifests cannot drift apart."""
     probe_ids = [pair_ids[i] for i in probe_rows]
     probe_hashes = [hashes[i] for i in probe_rows]
-    manifest = {
+    return {
         "size": size,
         "seed": seed,
         "selection": SELECTION,
         "pair_ids": probe_ids,
         "content_hashes": probe_hashes,
         "probe_digest": probe_digest(probe_ids, probe_hashes),
-        "train_pairs": len(train_rows),
+        "train_pairs": train_pairs,
         "excluded_from_train": [{"pair_id": pair_ids[i], "reason": LEAK} for i in excluded_rows],
     }
-    return ProbeSplit(train=train, probe=probe, manifest=manifest)
 
 
 # ==================================================================================================
@@ -244,18 +250,7 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
     order = sorted(range(len(positions)), key=positions.__getitem__)
     write_parquet(probe_path, probe.take(pa.array(order, pa.int64())).combine_chunks())
 
-    probe_ids = [pair_ids[i] for i in probe_rows]
-    probe_hashes = [hashes[i] for i in probe_rows]
-    return {
-        "size": size,
-        "seed": seed,
-        "selection": SELECTION,
-        "pair_ids": probe_ids,
-        "content_hashes": probe_hashes,
-        "probe_digest": probe_digest(probe_ids, probe_hashes),
-        "train_pairs": int(train_mask.sum()),
-        "excluded_from_train": [{"pair_id": pair_ids[i], "reason": LEAK} for i in excluded_rows],
-    }
+    return probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, int(train_mask.sum()))
 
 
 # ==================================================================================================

@@ -710,13 +710,32 @@ def read_pairs(path: str) -> list[dict]:
     return read_parquet(path).to_pylist()
 
 
+def _read_probe_manifest(manifest_path: str) -> dict:
+    try:
+        return check_shape(read_json(manifest_path), PROBE_MANIFEST_SCHEMA, "probe manifest", manifest_path)
+    except ContractError as e:
+        raise TokenizeError(str(e)) from None
+
+
+def _load_pair_tokenizer(tokenizer_dir: Path, log) -> tuple["PairTokenizer", str]:
+    tok_identity = tokenizer_identity(tokenizer_dir)
+    pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
+    log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
+             pair_tokenizer.rendering)
+    return pair_tokenizer, tok_identity
+
+
+def _log_probe_truncations(probe_result: "SplitResult", log) -> None:
+    if probe_result.truncations:
+        counts = {k: v for k, v in split_report(probe_result)["truncated_by_reason"].items() if v}
+        log.info("probe: %d pairs truncated %s (each recorded in the probe token manifest)",
+                 len(probe_result.truncations), canonical_json(counts))
+
+
 def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
         manifest_path: str, log) -> tuple[SplitResult, SplitResult, dict, dict]:
     """Everything but writing: returns (train result, probe result, probe token manifest, report)."""
-    try:
-        manifest = check_shape(read_json(manifest_path), PROBE_MANIFEST_SCHEMA, "probe manifest", manifest_path)
-    except ContractError as e:
-        raise TokenizeError(str(e)) from None
+    manifest = _read_probe_manifest(manifest_path)
     train, probe = read_pairs(train_path), read_pairs(probe_path)
     check_pairs(train, train_path)
     check_pairs(probe, probe_path)
@@ -725,20 +744,14 @@ def run(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path
     if overlap:
         raise TokenizeError(f"{len(overlap)} probe pairs are also in {train_path}: {sorted(overlap)[:10]}")
 
-    tok_identity = tokenizer_identity(tokenizer_dir)
-    pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
-    log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
-             pair_tokenizer.rendering)
+    pair_tokenizer, tok_identity = _load_pair_tokenizer(tokenizer_dir, log)
 
     probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
     check_probe_complete(probe_result, limits)
     train_result = tokenize_pairs(pair_tokenizer, train, limits, "train")
     token_manifest = probe_token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity,
                                           probe_result.truncations, limits)
-    if probe_result.truncations:
-        counts = {k: v for k, v in split_report(probe_result)["truncated_by_reason"].items() if v}
-        log.info("probe: %d pairs truncated %s (each recorded in the probe token manifest)",
-                 len(probe_result.truncations), canonical_json(counts))
+    _log_probe_truncations(probe_result, log)
     report = tokenize_report([train_result, probe_result], limits, pair_tokenizer.rendering, tok_identity)
     return train_result, probe_result, token_manifest, report
 
@@ -833,19 +846,13 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
     """The stage: the outputs of run() + write_outputs(), train pairs streamed. Returns the report."""
     import pyarrow.parquet as pq
 
-    try:
-        manifest = check_shape(read_json(manifest_path), PROBE_MANIFEST_SCHEMA, "probe manifest", manifest_path)
-    except ContractError as e:
-        raise TokenizeError(str(e)) from None
+    manifest = _read_probe_manifest(manifest_path)
     probe = read_pairs(probe_path)  # the probe is small (probe.size pairs) and is scored whole
     check_pairs(probe, probe_path)
     check_probe_matches_manifest(probe, manifest, probe_path, manifest_path)
     probe_ids = {p["pair_id"] for p in probe}
 
-    tok_identity = tokenizer_identity(tokenizer_dir)
-    pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
-    log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
-             pair_tokenizer.rendering)
+    pair_tokenizer, tok_identity = _load_pair_tokenizer(tokenizer_dir, log)
     probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
     check_probe_complete(probe_result, limits)
 
@@ -894,10 +901,7 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
     write_parquet(probe_tokens, tokens_table(probe_result.rows))
     token_manifest = _token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity,
                                      probe_result.truncations, limits)
-    if probe_result.truncations:
-        counts = {k: v for k, v in split_report(probe_result)["truncated_by_reason"].items() if v}
-        log.info("probe: %d pairs truncated %s (each recorded in the probe token manifest)",
-                 len(probe_result.truncations), canonical_json(counts))
+    _log_probe_truncations(probe_result, log)
     train_lengths = {k: (np.concatenate(v) if v else np.zeros(0, np.int64)) for k, v in lengths.items()}
     train_report = _split_report(pairs_in, pairs_out, reasons, sum(truncated_by_reason.values()),
                                  truncated_by_reason, differ, train_lengths)

@@ -433,21 +433,25 @@ def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
 # The CUDA-graph step's optimizer body (capture itself is tested on a GPU: tests/test_gpu.py)
 # ----------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("adapter", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("master", [False, True])
-def test_graph_optimizer_step_equals_the_eager_step(master):
+def test_graph_optimizer_step_equals_the_eager_step(master, adapter):
     """graphed_optimizer_step (device-tensor learning rate, persistent zeroed gradients, the metric row) updates
-    as the eager path's clip + AdamW(fused).step() + zero_grad, step after step, with a changing LR."""
+    as the eager path's clip + AdamW(fused).step() + zero_grad, step after step, with a changing LR. With LoRA
+    adapters (peft) over a frozen base (under precision bf16 the MasterWeightAdamW it runs): the same update, and
+    the frozen weights get neither a gradient nor an update."""
     from stages.engine.dist import DistEnv
     from stages.engine.optim import MasterWeightAdamW, build_optimizer, total_grad_norm
     from stages.engine.steps import graphed_optimizer_step
     settings = train_settings(max_grad_norm=0.05, weight_decay=0.1, precision="bf16" if master else "autocast")
     env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
-    torch.manual_seed(0)
-    base = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     models, opts = [], []
     for _ in range(2):
+        torch.manual_seed(0)                   # both copies start equal (the adapters' random lora_A too)
         m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
-        m.load_state_dict(base.state_dict())
+        if adapter:
+            from peft import LoraConfig, get_peft_model
+            m = get_peft_model(m, LoraConfig(r=2, lora_alpha=4, target_modules=["0", "2"]))
         masters = None
         if master:
             masters = {id(p): p.detach() for p in m.parameters()}
@@ -458,6 +462,11 @@ def test_graph_optimizer_step_equals_the_eager_step(master):
         models.append(m)
         opts.append(opt)
     assert isinstance(opts[1], MasterWeightAdamW) == master
+    frozen = {n: p.detach().clone() for n, p in models[1].named_parameters() if not p.requires_grad}
+    if adapter:
+        assert frozen and sum(len(g["params"]) for g in opts[1].param_groups) == 4      # A and B of two layers
+    else:
+        assert not frozen
     dtype = torch.bfloat16 if master else torch.float32
     lrs = [torch.zeros((), dtype=torch.float32) for _ in opts[1].param_groups]
     sums, row = torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
@@ -480,15 +489,19 @@ def test_graph_optimizer_step_equals_the_eager_step(master):
                 graphed_optimizer_step(opt, m, settings, lrs, sums, row)
                 assert row[:2].tolist() == [1.0, 2.0 * step] and sums.abs().sum() == 0
                 assert float(row[2]) == pytest.approx(float(norm), rel=1e-6)
-                assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in m.parameters())
+                assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in m.parameters() if p.requires_grad)
         # Equal up to the learning rate's float32 rounding (a tensor lr is float32, a Python lr float64).
-        for a, b in zip(models[0].parameters(), models[1].parameters()):
-            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8)
+        for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-8, msg=lambda m: f"{name}: {m}")
         sa, sb = opts[0].state_dict(), opts[1].state_dict()
         assert set(sa["state"]) == set(sb["state"])
         for i, st in sa["state"].items():
             for key in ("step", "exp_avg", "exp_avg_sq"):
                 torch.testing.assert_close(st[key], sb["state"][i][key], rtol=1e-6, atol=1e-9, msg=key)
+    assert all(torch.equal(p, frozen[n]) and p.grad is None
+               for n, p in models[1].named_parameters() if not p.requires_grad)
+    if adapter:
+        assert all(p.abs().sum() > 0 for n, p in models[1].named_parameters() if "lora_B" in n)  # B moved off 0
 
 
 def test_split_measurements_moves_every_timing_out_of_the_facts():
