@@ -26,7 +26,9 @@ What it reports (table on stdout, JSON to --out):
     plus the reference passes' (ref_logps: `pass_seconds` of its probe and train splits), and
     total / compute (issue 21's target: <= 2);
   - each engine stage's start-up record (perf json `startup`: seconds from process start to the first
-    optimizer step / the first pass, by phase).
+    optimizer step / the first pass, by phase), the training stages' seconds after the loop (`after_loop`: the
+    final probe, the export) and the rule's seconds outside the stage process (`outside_process`: torchrun's
+    start-up and teardown, interpreter exit).
 A GPU machine runs its own torch build: the environment stage refuses an install that differs from the lock
 unless PREFPIPE_ALLOW_UNLOCKED=1 (set it in the environment; it is passed through).
 """
@@ -147,7 +149,27 @@ def summarize(rules: dict[str, float], total: float, perf: dict[str, dict]) -> d
             "rules_sum_seconds": round(sum(rules.values()), 3),
             "compute_seconds": compute, "compute_total_seconds": compute_total,
             "total_over_compute": round(total / compute_total, 2) if compute_total else None,
-            "startup": {s: p["startup"] for s, p in perf.items() if "startup" in p}}
+            "startup": {s: p["startup"] for s, p in perf.items() if "startup" in p},
+            "after_loop": {s: p["after_loop_seconds"] for s, p in perf.items() if p.get("after_loop_seconds")},
+            "outside_process": outside_process(rules, perf)}
+
+
+# The phases a training stage's CLI runs before it calls the loop (stages/train_*.py); the loop's wall_seconds
+# starts there.
+PRE_LOOP_PHASES = ("imports", "process_group", "environment", "tokens")
+
+
+def outside_process(rules: dict[str, float], perf: dict[str, dict]) -> dict[str, float]:
+    """Per training stage: the rule's wall time that the stage process itself did not measure (torchrun's own
+    start-up and teardown, the worker's interpreter exit, the process group's shutdown)."""
+    out = {}
+    for stage in ("train_dpo", "train_rm"):
+        p = perf.get(stage)
+        if p is None or stage not in rules or "wall_seconds" not in p or "startup" not in p:
+            continue
+        before = sum(p["startup"]["phases_seconds"].get(k, 0.0) for k in PRE_LOOP_PHASES)
+        out[stage] = round(rules[stage] - before - p["wall_seconds"], 3)
+    return out
 
 
 def table(summary: dict) -> str:
@@ -165,6 +187,9 @@ def table(summary: dict) -> str:
     for stage, rec in summary["startup"].items():
         phases = ", ".join(f"{k} {rec['phases_seconds'][k]:.2f}" for k in rec.get("order", rec["phases_seconds"]))
         lines.append(f"start-up {stage}: {rec['total_seconds']:.2f} s ({phases})")
+    for stage, rec in summary.get("after_loop", {}).items():
+        lines.append(f"after the loop {stage}: " + ", ".join(f"{k} {v:.2f}" for k, v in rec.items())
+                     + f"; outside the process (torchrun, exit): {summary['outside_process'].get(stage, float('nan')):.2f}")
     return "\n".join(lines)
 
 

@@ -174,3 +174,22 @@ def test_lora_reward_model_mode_runs_on_cpu(tmp_path):
     # a later invocation reuses the model the first one wrote
     model_dir, facts = gpu_bench.make_model("tiny", SHARED_DATA / "tokenizers" / "gpt2", cache)
     assert facts["cached"] is True and str(model_dir) == result["model"]["dir"]
+
+
+def test_pipeline_bench_summary_splits_a_training_rule_into_start_up_loop_after_loop_and_outside():
+    import pipeline_bench
+    perf = {"train_dpo": {"train_seconds": 9.0, "wall_seconds": 15.0,
+                          "startup": {"phases_seconds": {"imports": 3.0, "process_group": 0.5, "environment": 0.1,
+                                                         "tokens": 1.4, "model_load": 0.7}, "total_seconds": 5.7},
+                          "after_loop_seconds": {"probe_final": 0.4, "export": 1.6}},
+            "ref_logps": {"probe": {"pass_seconds": 0.5}, "train": {"pass_seconds": 2.5},
+                          "startup": {"phases_seconds": {"imports": 3.0}, "total_seconds": 3.0}}}
+    rules = {"train_dpo": 23.0, "ref_logps": 8.0, "tokenize": 4.0}
+    summary = pipeline_bench.summarize(rules, 40.0, perf)
+    assert summary["compute_seconds"] == {"train_dpo": 9.0, "ref_logps": 3.0}
+    assert summary["total_over_compute"] == round(40.0 / 12.0, 2)
+    # 23 s of rule = 5 s before the loop's clock starts + the loop's 15 s wall + 3 s nobody inside measured
+    assert summary["outside_process"] == {"train_dpo": 3.0}
+    assert summary["after_loop"] == {"train_dpo": {"probe_final": 0.4, "export": 1.6}}
+    text = pipeline_bench.table(summary)
+    assert "after the loop train_dpo: probe_final 0.40, export 1.60; outside the process (torchrun, exit): 3.00" in text

@@ -215,6 +215,8 @@ def test_dpo_first_step_loss_grad_norm_and_ref_logps_match_independent_implement
     ref_startup = json.loads(Path(str(assets / "ref.parquet") + ".perf.json").read_text())["startup"]
     assert ref_startup["order"] == ["imports", "process_group", "environment", "tokens", "model_load"]
     assert "startup" not in (out / "run_info.json").read_text()
+    after = json.loads((Path(str(out) + ".perf.json")).read_text())["after_loop_seconds"]
+    assert set(after) == {"probe_final", "export"} and all(v >= 0 for v in after.values())
 
 
 def test_rm_first_step_loss_and_grad_norm_match_independent_implementation(assets):

@@ -325,19 +325,24 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     train_log.close()
     train_seconds = time.perf_counter() - t_train
 
+    # What the stage's wall time holds after the loop (pipeline_bench reads it): the last probe and the export.
+    t_probe = time.perf_counter()
     probe(run, "final")
+    t_export = time.perf_counter()
     if isinstance(run.optimizer, MasterWeightAdamW):
         # Export the fp32 masters (what was trained), not their bf16 working copies.
         with torch.no_grad():
             run.module.float()
             torch._foreach_copy_(run.optimizer.model_params, run.optimizer.master_params)
     export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model", run.adapter)
+    after_loop = {"probe_final": round(t_export - t_probe, 3), "export": round(time.perf_counter() - t_export, 3)}
     return write_records(run, graph_info, environment, perf_path, train_log.throughput, train_seconds,
-                         time.perf_counter() - t_start)
+                         time.perf_counter() - t_start, after_loop)
 
 
 def write_records(run: Run, graph_info: dict, environment: dict | None, perf_path: Path | None,
-                  throughput: list[dict], train_seconds: float, wall_seconds: float) -> dict:
+                  throughput: list[dict], train_seconds: float, wall_seconds: float,
+                  after_loop: dict | None = None) -> dict:
     """run_info.json (facts only, hashed) and the perf record (measurements); returns both."""
     env, settings, state = run.env, run.settings, run.state
     peaks = [None] * env.world_size
@@ -378,6 +383,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "cuda_graphs": graph_times,
         # Process start to the first optimizer step, by phase (stages/engine/startup.py).
         "startup": startup.CLOCK.record(),
+        # Seconds after the loop, by phase: the final probe pass, the model export (masters to fp32, save).
+        "after_loop_seconds": after_loop or {},
     }
     if env.is_main:
         write_train_log(run.out_dir / "train_log.csv", state.log_rows)
