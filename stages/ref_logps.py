@@ -19,6 +19,7 @@ from pathlib import Path
 from stages.lib.io import MEASUREMENT, write_json, write_parquet
 from stages.engine.modeling import ModelLoadError, SequenceLogProbs, load_causal_lm
 from stages.engine.objectives import ref_logps_table
+from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_tokens, resolve_model_dir,
                                stage_environment)
@@ -93,3 +94,4 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+    exit_after_success()     # skip torch/CUDA/NCCL teardown (stages/lib/cli.py)

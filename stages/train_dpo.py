@@ -16,6 +16,7 @@ import logging
 
 from stages.lib.io import read_parquet
 from stages.engine.objectives import DPOLossError, DPOObjective, RefLogpsError, check_dpo_params, ref_logps_for
+from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
                                load_stage_tokens, resolve_model_dir, stage_environment)
@@ -73,3 +74,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_after_success()     # skip torch/CUDA/NCCL teardown (stages/lib/cli.py)

@@ -15,6 +15,7 @@ sequence's last token whose id != pad_token_id: the token HF's sequence-classifi
 from __future__ import annotations
 
 from stages.engine.objectives import RewardObjective
+from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
                                load_stage_tokens, resolve_model_dir, stage_environment)
@@ -60,3 +61,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    exit_after_success()     # skip torch/CUDA/NCCL teardown (stages/lib/cli.py)

@@ -173,3 +173,21 @@ def test_one_line():
     assert one_line(ValueError("a:\n  b\n  c")) == "a: b; c"
     assert one_line(ValueError("")) == "ValueError"
     assert str(refuse("s", "msg")) == "s: refused: msg"
+
+
+def test_exit_after_success_keeps_every_log_line_and_console_byte_and_exits_0(tmp_path):
+    # The engine stages' `python -m` entry leaves through os._exit (no interpreter teardown): whatever was
+    # logged or printed last, including buffered stdout with no newline, must still be on disk / the pipe.
+    code = ("import logging, sys\n"
+            "from stages.lib.io import setup_logging\n"
+            "from stages.lib.cli import exit_after_success\n"
+            f"setup_logging({str(tmp_path / 's.log')!r}, 's')\n"
+            "logging.getLogger('s').info('last line')\n"
+            "sys.stdout.write('no newline')\n"
+            "exit_after_success()\n"
+            "raise SystemExit(3)\n")       # never reached
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == "no newline" and "last line" in r.stderr
+    assert (tmp_path / "s.log").read_text().splitlines()[-1].endswith("last line")
