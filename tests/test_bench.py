@@ -182,11 +182,14 @@ def test_pipeline_bench_summary_splits_a_training_rule_into_start_up_loop_after_
                           "startup": {"phases_seconds": {"imports": 3.0, "process_group": 0.5, "environment": 0.1,
                                                          "tokens": 1.4, "model_load": 0.7}, "total_seconds": 5.7},
                           "after_loop_seconds": {"probe_final": 0.4, "export": 1.6}},
-            "ref_logps": {"probe": {"pass_seconds": 0.5}, "train": {"pass_seconds": 2.5},
+            "ref_logps": {"probe": {"pass_seconds": 2.5, "tokens": 1000}, "train": {"pass_seconds": 2.5, "tokens": 5000,
+                                                                                "tokens_per_s": 2000.0},
                           "startup": {"phases_seconds": {"imports": 3.0}, "total_seconds": 3.0}}}
     rules = {"train_dpo": 23.0, "ref_logps": 8.0, "tokenize": 4.0}
     summary = pipeline_bench.summarize(rules, 40.0, perf)
+    # the probe split (run first: the process's first-use costs) counts at the train split's 2000 tok/s: 0.5 s
     assert summary["compute_seconds"] == {"train_dpo": 9.0, "ref_logps": 3.0}
+    assert summary["ref_first_pass_warmup"] == 2.0
     assert summary["total_over_compute"] == round(40.0 / 12.0, 2)
     # 23 s of rule = 5 s before the loop's clock starts + the loop's 15 s wall + 3 s nobody inside measured
     assert summary["outside_process"] == {"train_dpo": 3.0}
