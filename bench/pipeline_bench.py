@@ -16,7 +16,7 @@ CPU) with the GPT-2 tokenizer (--gpt2) beside it, pinned with `python -m stages.
 `ref.source: local` reference; on a GPU train.gpus 1 and train.precision bf16 (README's GPU section); the
 pipeline's own defaults otherwise (2 epochs). --set key=value overrides any of it (YAML values).
 
-What it reports (table on stdout, JSON to --out):
+What it reports (table on stdout, JSON to --out, and the engine stages' logs/<stage>.perf.json copied beside it):
   - per rule: wall seconds from the rule's Snakemake `benchmark:` file (logs/benchmarks/<rule>.tsv, the
     shell command's wall time);
   - total: `snakemake --cores N` (scheduling and DAG building included) plus the dvc.lock record the
@@ -290,6 +290,11 @@ def main(argv: list[str] | None = None) -> dict:
         if args.out:
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
+            # The engine stages' perf records beside the result (start-up phases, passes, windows): the evidence.
+            for stage in ENGINE_STAGES:
+                perf_file = repo / "logs" / f"{stage}.perf.json"
+                if perf_file.exists():
+                    shutil.copy2(perf_file, args.out.parent / perf_file.name)
         return result
     finally:
         if tmp is not None:
