@@ -221,6 +221,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.commit_lock:
         import logging
+        try:
+            import dvc.repo  # noqa: F401 -- importing dvc sets its logger to INFO; quiet it afterwards
+        except ImportError:
+            pass
         logging.getLogger("dvc").setLevel(logging.WARNING)  # as `dvc commit --quiet`: no "Updating lock file"
         commit_lock()
         return 0
