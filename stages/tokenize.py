@@ -1078,7 +1078,8 @@ def tokenizers_only_process() -> None:
     cache "no torch" for the process's lifetime, so it is done only when the stage runs as its own process
     (`python -m stages.tokenize`), never by main() called inside another program. The tokenizer is the same: its
     files, classes, special tokens and chat template do not depend on torch (tensors only come into
-    `return_tensors`, which tokenize never asks for)."""
+    `return_tensors`, which tokenize never asks for). Of transformers 5's tokenizer classes only Pop2Piano's MIDI
+    tokenizer requires torch, and it is no fast tokenizer, which load_tokenizer refuses anyway."""
     if "torch" not in sys.modules:
         sys.modules["torch"] = None
         # transformers' one-line advice that models are unavailable (stderr, never the log file): expected here.
