@@ -56,9 +56,11 @@ before/after, messages and characters dropped, and the token hash of what is sco
 its pair_id (the source pair); its token_hash is that of the truncated tokens.
 The probe must come through whole: any probe pair that would be rejected fails the stage.
 
-Scale (run_streaming): train pairs are read in chunks (--chunk-pairs) and rendered + tokenized by
-`tokenize.workers` forked processes (0 = every core in the CPU affinity), written in input order as they
-come back; the outputs are the same bytes for any worker count and chunk size.
+Scale (run_streaming): train pairs are read in chunks (at most --chunk-pairs) and rendered + tokenized by
+up to `tokenize.workers` forked processes (0 = every core in the CPU affinity), written in input order as they
+come back; the probe is tokenized in pieces by the same pool. The pool is sized to the input (plan_pool: no
+more processes than chunks, none for a small input); the outputs are the same bytes for any worker count and
+chunk size.
 """
 from __future__ import annotations
 
@@ -66,6 +68,8 @@ import json
 import logging
 import os
 import re
+import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
@@ -167,15 +171,31 @@ def load_tokenizer(tokenizer_dir: str | Path):
     return tokenizer
 
 
+def _sets_trim_offsets(node: Any) -> bool:
+    if isinstance(node, dict):
+        return node.get("trim_offsets") is True or any(_sets_trim_offsets(v) for v in node.values())
+    if isinstance(node, list):
+        return any(_sets_trim_offsets(v) for v in node)
+    return False
+
+
 def _untrimmed_backend(tokenizer):
-    """A copy of the tokenizer's Rust backend whose offsets are never trimmed.
+    """The tokenizer's Rust backend with offsets never trimmed, no truncation and no padding.
 
     Trimming (ByteLevel / RoBERTa post-processors) moves a token's start past its leading space,
     which would make a token straddling the boundary look as if it started on it. Ids are unchanged.
+    A backend that already is so (GPT-2's TemplateProcessing post-processor, for one) is returned itself
+    (never modified here); otherwise a copy: a JSON round trip of the whole backend, vocabulary included,
+    ~0.4 s for GPT-2's, so it is made only when something must change.
     """
     from tokenizers import Tokenizer
 
     backend = tokenizer.backend_tokenizer
+    post = backend.post_processor
+    # __getstate__: the post-processor's own JSON (what pickling it writes), without serializing the vocabulary.
+    trims = post is not None and _sets_trim_offsets(json.loads(post.__getstate__()))
+    if not trims and backend.truncation is None and backend.padding is None:
+        return backend
     spec = json.loads(backend.to_str())
 
     def untrim(node: Any) -> None:
@@ -775,6 +795,39 @@ def resolve_workers(workers: int) -> int:
     return workers or len(os.sched_getaffinity(0))
 
 
+# The least pairs a pool worker is handed at once: ~0.1 s of rendering + encoding, against a few ms to fork and
+# feed a worker, so small inputs do not start (or wait on) more processes than they can keep busy.
+MIN_CHUNK_PAIRS = 64
+
+
+@dataclass(frozen=True)
+class PoolPlan:
+    """How run_streaming spreads the work: `processes` forked workers (1 = none, all in this process), the train
+    pairs in chunks of `train_chunk`, the probe in pieces of `probe_chunk`. Memory and speed only: the outputs
+    are the same bytes for any plan."""
+    processes: int
+    train_chunk: int
+    probe_chunk: int
+
+
+def plan_pool(n_train: int, n_probe: int, workers: int, chunk_pairs: int) -> PoolPlan:
+    """Size the pool to the work: chunks no larger than chunk_pairs, small enough that every worker gets one
+    (never under MIN_CHUNK_PAIRS), no more workers than chunks nor than one per MIN_CHUNK_PAIRS pairs (so a
+    small input runs in this process, without a pool). tokenize.workers 0 = all 16 cores of a GPU
+    host used to fork 16 workers for 2 chunks of HH's 1.8k train pairs, with the 512 probe pairs tokenized
+    alone before them; now the probe's 64-pair pieces and 112-pair train chunks keep all 16 busy."""
+    if chunk_pairs < 1:
+        raise TokenizeError(f"--chunk-pairs must be >= 1, got {chunk_pairs}")
+    workers = max(1, workers)
+
+    def per_worker(n: int) -> int:
+        return max(1, min(chunk_pairs, max(MIN_CHUNK_PAIRS, -(-n // workers))))
+
+    train_chunk, probe_chunk = per_worker(n_train), per_worker(n_probe)
+    chunks = -(-n_train // train_chunk) + -(-n_probe // probe_chunk)
+    return PoolPlan(max(1, min(workers, chunks, -(-(n_train + n_probe) // MIN_CHUNK_PAIRS))), train_chunk, probe_chunk)
+
+
 @dataclass
 class ChunkResult:
     tokens: pa.Table
@@ -813,37 +866,96 @@ def _worker_chunk(batch: pa.RecordBatch, limits: TokenizeLimits, split: str) -> 
     return tokenize_chunk(_WORKER["pair_tokenizer"], batch, limits, split)
 
 
-def _chunk_results(pair_tokenizer: PairTokenizer, batches: Iterator[pa.RecordBatch], limits: TokenizeLimits,
-                   split: str, workers: int) -> Iterator[tuple[pa.RecordBatch, ChunkResult]]:
-    """(batch, result) in input order; with workers > 1 a fork pool, at most 2 * workers chunks in flight."""
-    if workers <= 1:
-        for batch in batches:
-            yield batch, tokenize_chunk(pair_tokenizer, batch, limits, split)
+def _worker_pairs(pairs: list[dict], limits: TokenizeLimits, split: str) -> SplitResult:
+    return tokenize_pairs(_WORKER["pair_tokenizer"], pairs, limits, split)
+
+
+def merge_split_results(split: str, parts: Iterable[SplitResult]) -> SplitResult:
+    """The SplitResult of consecutive pieces of a split, in order: what tokenize_pairs returns for the whole
+    (each pair is tokenized on its own; only the encode batches differ, and a text's ids do not depend on them)."""
+    out = SplitResult(split=split)
+    for part in parts:
+        out.rows += part.rows
+        out.rejections += part.rejections
+        out.truncations += part.truncations
+        out.truncated += part.truncated
+        out.prompt_tokens_differ += part.prompt_tokens_differ
+        out.pairs_in += part.pairs_in
+    return out
+
+
+@contextmanager
+def _fork_pool(pair_tokenizer: PairTokenizer, processes: int):
+    """A fork pool of `processes` workers holding pair_tokenizer, or None for processes <= 1 (all in-process)."""
+    if processes <= 1:
+        yield None
         return
     import multiprocessing
-    from collections import deque
     from concurrent.futures import ProcessPoolExecutor
 
     _WORKER["pair_tokenizer"] = pair_tokenizer
-    # fork: the workers inherit the loaded tokenizer instead of importing transformers again.
-    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
-                             initializer=_worker_init) as pool:
-        pending: deque = deque()
+    # fork: the workers inherit the loaded tokenizer instead of importing transformers again. (A fork pool starts
+    # all its workers at once, so plan_pool never asks for more than there are chunks.)
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init)
+    try:
+        yield pool
+    except BaseException:
+        pool.shutdown(wait=True, cancel_futures=True)  # refused input: do not finish the queued chunks
+        raise
+    else:
+        pool.shutdown(wait=True)
+    finally:
+        _WORKER.clear()
+
+
+def _chunk_results(pool, pair_tokenizer: PairTokenizer, batches: Iterator[pa.RecordBatch], limits: TokenizeLimits,
+                   split: str, processes: int) -> Iterator[tuple[pa.RecordBatch, ChunkResult]]:
+    """(batch, result) in input order; with a pool, at most 2 * processes chunks in flight."""
+    if pool is None:
         for batch in batches:
-            pending.append((batch, pool.submit(_worker_chunk, batch, limits, split)))
-            if len(pending) >= 2 * workers:
-                b, f = pending.popleft()
-                yield b, f.result()
-        while pending:
+            yield batch, tokenize_chunk(pair_tokenizer, batch, limits, split)
+        return
+    from collections import deque
+
+    pending: deque = deque()
+    for batch in batches:
+        pending.append((batch, pool.submit(_worker_chunk, batch, limits, split)))
+        if len(pending) >= 2 * processes:
             b, f = pending.popleft()
             yield b, f.result()
-    _WORKER.clear()
+    while pending:
+        b, f = pending.popleft()
+        yield b, f.result()
+
+
+def _probe_tokenizer(pool, pair_tokenizer: PairTokenizer, probe: list[dict], limits: TokenizeLimits, piece: int):
+    """Start tokenizing the probe (in pieces on the pool, queued before any train chunk; or here, now); returns a
+    function giving the whole probe's SplitResult, checked complete (check_probe_complete)."""
+    if pool is None:
+        parts = [tokenize_pairs(pair_tokenizer, probe, limits, "probe")]
+    else:
+        parts = [pool.submit(_worker_pairs, probe[lo:lo + piece], limits, "probe")
+                 for lo in range(0, len(probe), piece)]
+    done: list[SplitResult] = []
+
+    def result() -> SplitResult:
+        if not done:
+            done.append(merge_split_results("probe", (p if pool is None else p.result() for p in parts)))
+            check_probe_complete(done[0], limits)
+        return done[0]
+
+    if pool is None:
+        result()  # nothing to overlap with: refuse an incomplete probe before reading any train pair
+    return result
 
 
 def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
                   manifest_path: str, log, *, train_tokens, probe_tokens, probe_token_manifest, report_path,
                   rejections, workers: int = 1, chunk_pairs: int = DEFAULT_CHUNK_PAIRS) -> dict:
-    """The stage: the outputs of run() + write_outputs(), train pairs streamed. Returns the report."""
+    """The stage: the outputs of run() + write_outputs(), train pairs streamed. Returns the report.
+
+    `workers` is the most processes to use (plan_pool sizes the pool to the input); `chunk_pairs` the most train
+    pairs per work unit."""
     import pyarrow.parquet as pq
 
     manifest = _read_probe_manifest(manifest_path)
@@ -853,10 +965,9 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
     probe_ids = {p["pair_id"] for p in probe}
 
     pair_tokenizer, tok_identity = _load_pair_tokenizer(tokenizer_dir, log)
-    probe_result = tokenize_pairs(pair_tokenizer, probe, limits, "probe")
-    check_probe_complete(probe_result, limits)
-
     train_file = pq.ParquetFile(train_path)
+    plan = plan_pool(train_file.metadata.num_rows, len(probe), resolve_workers(workers), chunk_pairs)
+
     pairs_in, pairs_out, differ = 0, 0, 0
     reasons: dict[str, int] = {}
     truncated_by_reason = dict.fromkeys(TRUNCATION_REASONS, 0)
@@ -864,39 +975,45 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
     seen: dict[str, int] = {}
     problems: list[str] = []
     n_problems, overlap = 0, []
-    with ParquetStreamWriter(train_tokens, TOKENS_SCHEMA) as tokens_out, \
-            ParquetStreamWriter(rejections, REJECTIONS_SCHEMA) as rejections_out:
-        batches = train_file.iter_batches(batch_size=chunk_pairs)
-        for batch, chunk in _chunk_results(pair_tokenizer, batches, limits, "train", resolve_workers(workers)):
-            ids, hashes = batch.column("pair_id").to_pylist(), batch.column("content_hash").to_pylist()
-            for i, (pid, ch) in enumerate(zip(ids, hashes)):
-                problem = pair_id_problem(pairs_in + i, pid, ch, seen)
-                if problem is None and i in chunk.content_mismatches:
-                    problem = content_hash_problem(pairs_in + i, pid, ch, chunk.content_mismatches[i])
-                if problem is not None:
-                    n_problems += 1
-                    if len(problems) < 20:
-                        problems.append(problem)
-                if pid in probe_ids:
-                    overlap.append(pid)
-            pairs_in += batch.num_rows
-            pairs_out += chunk.tokens.num_rows
-            differ += chunk.prompt_tokens_differ
-            for k, v in chunk.reasons.items():
-                reasons[k] = reasons.get(k, 0) + v
-            for k, v in chunk.truncated_by_reason.items():
-                truncated_by_reason[k] += v
-            for k in LENGTH_KEYS:
-                lengths[k].append(chunk.lengths[k])
-            tokens_out.write(chunk.tokens)
-            rejections_out.write(chunk.rejections)
-        # Raised inside the writers' block: on bad input no output file appears.
-        if n_problems:
-            raise TokenizeError(f"{train_path}: {n_problems} pair(s) do not match their recorded hashes "
-                                f"(edited after normalize?):\n  " + "\n  ".join(problems))
-        if overlap:
-            raise TokenizeError(f"{len(overlap)} probe pairs are also in {train_path}: {sorted(overlap)[:10]}")
-        rejections_out.write(rejections_table(probe_result.rejections))
+    with _fork_pool(pair_tokenizer, plan.processes) as pool:
+        probe_pending = _probe_tokenizer(pool, pair_tokenizer, probe, limits, plan.probe_chunk)
+        with ParquetStreamWriter(train_tokens, TOKENS_SCHEMA) as tokens_out, \
+                ParquetStreamWriter(rejections, REJECTIONS_SCHEMA) as rejections_out:
+            batches = train_file.iter_batches(batch_size=plan.train_chunk)
+            for batch, chunk in _chunk_results(pool, pair_tokenizer, batches, limits, "train", plan.processes):
+                # The probe's pieces were queued first, so they are back by now: an incomplete probe is refused
+                # before any train chunk is written.
+                probe_pending()
+                ids, hashes = batch.column("pair_id").to_pylist(), batch.column("content_hash").to_pylist()
+                for i, (pid, ch) in enumerate(zip(ids, hashes)):
+                    problem = pair_id_problem(pairs_in + i, pid, ch, seen)
+                    if problem is None and i in chunk.content_mismatches:
+                        problem = content_hash_problem(pairs_in + i, pid, ch, chunk.content_mismatches[i])
+                    if problem is not None:
+                        n_problems += 1
+                        if len(problems) < 20:
+                            problems.append(problem)
+                    if pid in probe_ids:
+                        overlap.append(pid)
+                pairs_in += batch.num_rows
+                pairs_out += chunk.tokens.num_rows
+                differ += chunk.prompt_tokens_differ
+                for k, v in chunk.reasons.items():
+                    reasons[k] = reasons.get(k, 0) + v
+                for k, v in chunk.truncated_by_reason.items():
+                    truncated_by_reason[k] += v
+                for k in LENGTH_KEYS:
+                    lengths[k].append(chunk.lengths[k])
+                tokens_out.write(chunk.tokens)
+                rejections_out.write(chunk.rejections)
+            probe_result = probe_pending()
+            # Raised inside the writers' block: on bad input no output file appears.
+            if n_problems:
+                raise TokenizeError(f"{train_path}: {n_problems} pair(s) do not match their recorded hashes "
+                                    f"(edited after normalize?):\n  " + "\n  ".join(problems))
+            if overlap:
+                raise TokenizeError(f"{len(overlap)} probe pairs are also in {train_path}: {sorted(overlap)[:10]}")
+            rejections_out.write(rejections_table(probe_result.rejections))
 
     write_parquet(probe_tokens, tokens_table(probe_result.rows))
     token_manifest = _token_manifest(probe_result.rows, manifest["probe_digest"], tok_identity,
@@ -952,5 +1069,23 @@ def main(argv: list[str] | None = None) -> None:
                       input_errors=(TokenizeError, ParamsError, RefIdentityError))
 
 
+def tokenizers_only_process() -> None:
+    """Keep this process's `import transformers` from importing torch (~40% of the stage's wall time: torch is
+    4-5 s to import on a GPU host, and every forked worker would carry it). transformers supports running without
+    torch (its tokenizers-only install: tokenizers, chat templates and configs work, models do not), and decides
+    it by whether `torch` can be found. `sys.modules["torch"] = None` is Python's own way to say it cannot
+    (importlib.util.find_spec returns None, `import torch` raises ModuleNotFoundError); it also makes transformers
+    cache "no torch" for the process's lifetime, so it is done only when the stage runs as its own process
+    (`python -m stages.tokenize`), never by main() called inside another program. The tokenizer is the same: its
+    files, classes, special tokens and chat template do not depend on torch (tensors only come into
+    `return_tensors`, which tokenize never asks for). Of transformers 5's tokenizer classes only Pop2Piano's MIDI
+    tokenizer requires torch, and it is no fast tokenizer, which load_tokenizer refuses anyway."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None
+        # transformers' one-line advice that models are unavailable (stderr, never the log file): expected here.
+        os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+
+
 if __name__ == "__main__":
+    tokenizers_only_process()
     main()

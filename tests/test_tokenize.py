@@ -9,6 +9,7 @@ import functools
 import gzip
 import json
 import logging
+import os
 import re
 import shutil
 from pathlib import Path
@@ -725,7 +726,8 @@ def test_streaming_stage_is_byte_identical_for_any_workers_and_chunks(gpt2_token
     ref = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "ref")
     report = read_json(ref["report_path"])["splits"]["train"]
     assert report["rejected"] and report["truncated"] and report["pairs_out"] > 100  # every path is exercised
-    for workers, chunk in ((1, 1000), (2, 37)):
+    # (16, 1000): more workers than the input keeps busy, so plan_pool hands out smaller chunks to fewer processes.
+    for workers, chunk in ((1, 1000), (2, 37), (16, 1000)):
         out = tmp_path / f"w{workers}"
         paths = {k: out / Path(v).name for k, v in ref.items()}
         run_streaming(limits, gpt2_tokenizer_dir, log=LOG, workers=workers, chunk_pairs=chunk, **inputs, **paths)
@@ -741,3 +743,85 @@ def test_streaming_stage_is_byte_identical_for_any_workers_and_chunks(gpt2_token
         run_streaming(limits, gpt2_tokenizer_dir, log=LOG, workers=2, chunk_pairs=37, **bad,
                       **{k: out / Path(v).name for k, v in ref.items()})
     assert not out.exists() or not any(out.iterdir())
+
+
+def test_plan_pool_sizes_the_pool_to_the_work():
+    from stages.tokenize import MIN_CHUNK_PAIRS, plan_pool
+
+    # HH on a 16-core GPU host: every worker gets train chunks, and the probe is split too.
+    plan = plan_pool(1786, 512, 16, 1024)
+    assert plan.processes == 16
+    assert plan.train_chunk == -(-1786 // 16) and plan.probe_chunk == MIN_CHUNK_PAIRS
+    # A tiny input is not worth a pool: one process, the whole input as one chunk of each split.
+    plan = plan_pool(40, 20, 16, 1024)
+    assert plan.processes == 1 and plan.train_chunk == MIN_CHUNK_PAIRS
+    # A large input keeps the --chunk-pairs cap (bounded memory) and every worker.
+    assert plan_pool(10**6, 512, 16, 1024) == type(plan)(16, 1024, MIN_CHUNK_PAIRS)
+    assert plan_pool(1000, 10, 4, 7) == type(plan)(4, 7, 7)   # a chunk cap under MIN_CHUNK_PAIRS is kept
+    for n_train, n_probe, workers, cap in ((0, 5, 8, 1024), (1, 0, 1, 1), (999, 3, 3, 50), (5000, 512, 64, 1024)):
+        plan = plan_pool(n_train, n_probe, workers, cap)
+        chunks = -(-n_train // plan.train_chunk) + -(-n_probe // plan.probe_chunk)
+        assert 1 <= plan.processes <= max(1, min(workers, chunks, -(-(n_train + n_probe) // MIN_CHUNK_PAIRS)))
+        assert 1 <= plan.train_chunk <= cap and 1 <= plan.probe_chunk <= cap
+    with pytest.raises(TokenizeError, match="--chunk-pairs must be >= 1"):
+        plan_pool(10, 10, 2, 0)
+
+
+def test_streaming_refuses_an_incomplete_probe_tokenized_by_the_pool(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    """The probe's pieces run in the pool beside the train chunks: a probe pair that cannot fit still fails the
+    stage before any output appears, naming the pair."""
+    from stages.tokenize import run_streaming
+
+    train, probe = split_pairs
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    limits = TokenizeLimits(max_length=40, max_prompt_length=30, truncation="reject")
+    out = tmp_path / "out"
+    paths = {"train_tokens": out / "train_tokens.parquet", "probe_tokens": out / "probe_tokens.parquet",
+             "probe_token_manifest": out / "probe_token_manifest.json",
+             "report_path": out / "tokenize_report.json", "rejections": out / "token_rejections.parquet"}
+    with pytest.raises(TokenizeError, match=f"of {len(probe)} probe pairs cannot be tokenized under max_length=40"):
+        run_streaming(limits, gpt2_tokenizer_dir, log=LOG, workers=2, chunk_pairs=16, **inputs, **paths)
+    assert not out.exists() or not any(out.iterdir())
+
+
+def test_stage_process_never_imports_torch_and_writes_the_same_bytes(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    """`python -m stages.tokenize` loads the tokenizer through transformers without torch (tokenizers_only_process):
+    -X importtime lists every module the process imported, and torch is none of them; its outputs are the
+    in-process stage's bytes (main() inside another program keeps torch available)."""
+    import subprocess
+    import sys
+
+    import yaml
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from stages import verify_ref
+
+    ref_dir = tmp_path / "gpt2"
+    shutil.copytree(gpt2_tokenizer_dir, ref_dir)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024)).save_pretrained(str(ref_dir))
+    revision = verify_ref.pin(ref_dir, "test/gpt2")
+    identity = tmp_path / "ref_identity.json"
+    write_json(identity, verify_ref.verify_reference({"source": "local", "repo_id": "test/gpt2", "revision": revision,
+                                          "local_dir": str(ref_dir)}))
+    train, probe = split_pairs
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    limits = TokenizeLimits(max_length=256, max_prompt_length=200, truncation="keep_end")
+    ref = run_and_write(limits, gpt2_tokenizer_dir, inputs, tmp_path / "ref")
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["tokenize"].update(limits.as_dict(), workers=2)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    out = tmp_path / "cli"
+    flags = {"train_tokens": "--train-tokens", "probe_tokens": "--probe-tokens", "report_path": "--report",
+             "probe_token_manifest": "--probe-token-manifest", "rejections": "--rejections"}
+    outputs = [a for key, path in ref.items() for a in (flags[key], out / Path(path).name)]
+    r = subprocess.run([sys.executable, "-X", "importtime", "-m", "stages.tokenize", "--params", tmp_path / "params.yaml",
+                        "--identity", identity, "--train", inputs["train_path"], "--probe", inputs["probe_path"],
+                        "--probe-manifest", inputs["manifest_path"], "--chunk-pairs", "50", *outputs,
+                        "--log", tmp_path / "tokenize.log"],
+                       cwd=REPO_ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    imported = [line.split("|")[-1].strip() for line in r.stderr.splitlines() if line.startswith("import time:")]
+    assert "transformers.models.gpt2.tokenization_gpt2" in imported or "tokenizers" in imported
+    assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
+    for key, path in ref.items():
+        assert (out / Path(path).name).read_bytes() == Path(path).read_bytes(), key
