@@ -247,3 +247,17 @@ def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias)
     assert adjacent_rows([layers[0].weight, layers[2].weight]) is None            # a gap
     assert adjacent_rows([layers[1].weight, layers[0].weight]) is None            # out of order
     run()
+
+
+def test_model_vocab_size_is_autoconfigs_without_importing_it_for_a_plain_config(tmp_path):
+    """The token check's vocab comes from config.json directly (no transformers import before the tokens are
+    read) and is AutoConfig's number; a config without a top-level vocab_size goes through AutoConfig."""
+    from transformers import AutoConfig
+    from stages.engine.cli import model_vocab_size
+    for arch, vocab in (("qwen2", 128), ("llama", 301)):
+        model_dir = make_tiny_model_dir(tmp_path / arch, arch=arch, vocab=vocab)
+        assert model_vocab_size(model_dir) == AutoConfig.from_pretrained(model_dir).vocab_size == vocab
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "qwen2"}))   # vocab_size: the class default
+    assert model_vocab_size(bare) == AutoConfig.from_pretrained(bare).vocab_size
