@@ -261,3 +261,22 @@ def test_model_vocab_size_is_autoconfigs_without_importing_it_for_a_plain_config
     bare.mkdir()
     (bare / "config.json").write_text(json.dumps({"model_type": "qwen2"}))   # vocab_size: the class default
     assert model_vocab_size(bare) == AutoConfig.from_pretrained(bare).vocab_size
+
+
+def test_a_reward_model_loaded_through_a_device_map_gets_the_cpu_loads_seeded_head(tmp_path):
+    """On a GPU the reward model is loaded straight onto the device (a device map), where transformers would
+    initialise a new `score` head from the device's RNG; the loader makes the head again from the CPU RNG.
+    Run here with a CPU device map (the same code path): the weights, buffers and the CPU RNG state after
+    the load are those of the plain CPU load, so the seeded head does not depend on where the model loads."""
+    from stages.engine.modeling import _load_reward_model
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    loaded, rng_after = [], []
+    for placement in ({}, {"device_map": {"": torch.device("cpu")}}):
+        torch.manual_seed(7)
+        loaded.append(_load_reward_model(model_dir, torch.float32, placement))
+        rng_after.append(torch.get_rng_state())
+    plain, mapped = (dict(m.state_dict(), **dict(m.named_buffers())) for m in loaded)
+    assert plain.keys() == mapped.keys() and "score.weight" in plain
+    assert all(torch.equal(plain[k], mapped[k]) for k in plain)
+    assert torch.equal(*rng_after)
+    assert plain["score.weight"].abs().sum() > 0          # a drawn head, not an untouched (empty) tensor
