@@ -157,6 +157,27 @@ def test_fused_model_matches_hf_code_path_on_gpu_in_bf16(tmp_path, monkeypatch):
     assert F.cosine_similarity(g_f, g_h, dim=0) > 0.99
 
 
+def test_models_loaded_straight_onto_the_gpu_equal_cpu_loads_moved_there(tmp_path):
+    """The training stages load their weights straight into GPU memory (fp32, cast there): the same values,
+    buffers included, as the CPU load moved to the GPU; a reward model's new seeded head too (made from the CPU
+    RNG, not the GPU's), and neither RNG is left where the CPU load would not leave it."""
+    from stages.engine.modeling import load_reward_model
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    cuda = torch.device("cuda")
+    for load in (load_causal_lm, load_reward_model):
+        states = []
+        for device in (None, cuda):
+            torch.manual_seed(3)
+            torch.cuda.manual_seed(3)
+            model = load(model_dir, device=device).to(cuda)
+            states.append((dict(model.state_dict(), **dict(model.named_buffers())), torch.get_rng_state(),
+                           torch.cuda.get_rng_state(cuda)))
+        (moved, cpu_rng_a, cuda_rng_a), (direct, cpu_rng_b, cuda_rng_b) = states
+        assert moved.keys() == direct.keys()
+        assert all(direct[k].device.type == "cuda" and torch.equal(moved[k], direct[k]) for k in moved), load
+        assert torch.equal(cpu_rng_a, cpu_rng_b) and torch.equal(cuda_rng_a, cuda_rng_b)
+
+
 def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
     """The graph path's flat Triton AdamW against MasterWeightAdamW's fused step on CUDA (the same check the
     CPU suite runs under Triton's interpreter; here the bf16 weights must be the masters rounded to nearest)."""

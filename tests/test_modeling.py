@@ -247,3 +247,36 @@ def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias)
     assert adjacent_rows([layers[0].weight, layers[2].weight]) is None            # a gap
     assert adjacent_rows([layers[1].weight, layers[0].weight]) is None            # out of order
     run()
+
+
+def test_model_vocab_size_is_autoconfigs_without_importing_it_for_a_plain_config(tmp_path):
+    """The token check's vocab comes from config.json directly (no transformers import before the tokens are
+    read) and is AutoConfig's number; a config without a top-level vocab_size goes through AutoConfig."""
+    from transformers import AutoConfig
+    from stages.engine.cli import model_vocab_size
+    for arch, vocab in (("qwen2", 128), ("llama", 301)):
+        model_dir = make_tiny_model_dir(tmp_path / arch, arch=arch, vocab=vocab)
+        assert model_vocab_size(model_dir) == AutoConfig.from_pretrained(model_dir).vocab_size == vocab
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text(json.dumps({"model_type": "qwen2"}))   # vocab_size: the class default
+    assert model_vocab_size(bare) == AutoConfig.from_pretrained(bare).vocab_size
+
+
+def test_a_reward_model_loaded_through_a_device_map_gets_the_cpu_loads_seeded_head(tmp_path):
+    """On a GPU the reward model is loaded straight onto the device (a device map), where transformers would
+    initialise a new `score` head from the device's RNG; the loader makes the head again from the CPU RNG.
+    Run here with a CPU device map (the same code path): the weights, buffers and the CPU RNG state after
+    the load are those of the plain CPU load, so the seeded head does not depend on where the model loads."""
+    from stages.engine.modeling import _load_reward_model
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    loaded, rng_after = [], []
+    for placement in ({}, {"device_map": {"": torch.device("cpu")}}):
+        torch.manual_seed(7)
+        loaded.append(_load_reward_model(model_dir, torch.float32, placement))
+        rng_after.append(torch.get_rng_state())
+    plain, mapped = (dict(m.state_dict(), **dict(m.named_buffers())) for m in loaded)
+    assert plain.keys() == mapped.keys() and "score.weight" in plain
+    assert all(torch.equal(plain[k], mapped[k]) for k in plain)
+    assert torch.equal(*rng_after)
+    assert plain["score.weight"].abs().sum() > 0          # a drawn head, not an untouched (empty) tensor

@@ -4,6 +4,7 @@ directory, token loading and the progress bar.
 """
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -78,10 +79,24 @@ def resolve_model_dir(args) -> Path:
     return Path(args.model_dir)
 
 
-def load_stage_tokens(model_dir: Path, train_path, probe_path) -> tuple[TokenPairs, TokenPairs]:
+def model_vocab_size(model_dir: Path) -> int:
+    """config.json's vocab_size, read as JSON: the token check needs only this number, and AutoConfig would
+    import transformers (seconds; the model load imports it anyway) before the tokens can be read. A config
+    without a top-level integer vocab_size (a composite model's text_config, a default) goes through AutoConfig,
+    so the number is always AutoConfig's."""
+    try:
+        vocab = json.loads((Path(model_dir) / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError, AttributeError):
+        vocab = None
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        return vocab
     from transformers import AutoConfig
+    return AutoConfig.from_pretrained(model_dir).vocab_size
+
+
+def load_stage_tokens(model_dir: Path, train_path, probe_path) -> tuple[TokenPairs, TokenPairs]:
     from stages.engine.packing import load_token_pairs
-    vocab = AutoConfig.from_pretrained(model_dir).vocab_size
+    vocab = model_vocab_size(model_dir)
     return load_token_pairs(train_path, vocab), load_token_pairs(probe_path, vocab)
 
 

@@ -56,7 +56,13 @@ def init_distributed(settings: TrainSettings) -> DistEnv:
     if not dist.is_initialized():
         timeout = timedelta(minutes=30)
         if "RANK" in os.environ:
-            dist.init_process_group(backend, timeout=timeout, device_id=device if use_cuda else None)
+            # device_id makes NCCL build its communicator now (eager init, a fraction of a second at start-up).
+            # One process (torchrun --nproc-per-node 1, the usual single-GPU run) may never use it: no DDP, the
+            # control exchange is gloo's, the CUDA-graph step has no collective. Without device_id it is built
+            # at the first NCCL collective, if any (the eager step's metric all_reduce, FSDP2), never inside a
+            # graph capture (graphed runs have none).
+            eager = use_cuda and int(os.environ.get("WORLD_SIZE", 1)) > 1
+            dist.init_process_group(backend, timeout=timeout, device_id=device if eager else None)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD

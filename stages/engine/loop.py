@@ -129,7 +129,10 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     """Model (seeded head), precision, fused kernels compiled, wrapping, optimizer, plan; resumed when a
     checkpoint of this exact run exists."""
     seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
-    module = objective.build_module(model_dir, settings)
+    # fp32 weights read straight into GPU memory (no CPU copy; the cast to bf16 below happens there, as before):
+    # the same values as a CPU load moved over. Not with an adapter: peft would create the LoRA weights on the
+    # GPU, from the GPU's RNG, where they are now made from the CPU's.
+    module = objective.build_module(model_dir, settings, device=env.device if settings.adapter is None else None)
     startup.mark("model_load")
     hf = objective.hf_model(module)
     # A reward model's score positions follow its pad id (HF's pooling): set, or refused, before any work.

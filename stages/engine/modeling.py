@@ -504,10 +504,18 @@ def reward_pad_token_id(model_dir, config) -> tuple[int, str]:
     return int(eos), "eos_token (no pad token)"
 
 
-def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Module:
+def load_reward_model(model_dir, dtype: torch.dtype = torch.float32, device: torch.device | None = None) -> nn.Module:
     """Body from `model_dir` + scalar head `score` (num_labels=1). A new head is initialised from the
-    torch RNG (seed first). config.pad_token_id is set to `reward_pad_token_id` (the model records where
-    it came from in `prefpipe_pad_source`); the reward is read at the last token != that id."""
+    torch (CPU) RNG (seed first). config.pad_token_id is set to `reward_pad_token_id` (the model records where
+    it came from in `prefpipe_pad_source`); the reward is read at the last token != that id.
+    device (CUDA): the safetensors are read straight into GPU memory, not through a CPU copy, and a new head
+    gets the values the CPU load gives it (see _load_reward_model); elsewhere the model is loaded on the CPU."""
+    placement = {"device_map": {"": device}} if device is not None and device.type == "cuda" else {}
+    return _load_reward_model(model_dir, dtype, placement)
+
+
+def _load_reward_model(model_dir, dtype: torch.dtype, placement: dict) -> nn.Module:
+    """load_reward_model; `placement`: from_pretrained's device_map, or {} (CPU, no device map)."""
     from transformers import AutoConfig, AutoModelForSequenceClassification
     config = AutoConfig.from_pretrained(model_dir)
     is_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
@@ -520,10 +528,15 @@ def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Modul
     # (CI=true), which would make the hashed log differ between checkouts.
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
+    cpu_rng = torch.get_rng_state()
+    devices = [d for d in placement.get("device_map", {}).values() if torch.device(d).type == "cuda"]
     try:
-        model, info = AutoModelForSequenceClassification.from_pretrained(
-            model_dir, num_labels=1, dtype=dtype, attn_implementation=register_packed_attention(),
-            output_loading_info=True)
+        # With a device map transformers initialises a new head on that device, from the device's RNG: leave
+        # that RNG as it was (the CPU load never draws from it), the head is made again below.
+        with torch.random.fork_rng(devices=devices, enabled=bool(placement)):
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                model_dir, num_labels=1, dtype=dtype, attn_implementation=register_packed_attention(),
+                output_loading_info=True, **placement)
     finally:
         hf_logging.set_verbosity(verbosity)
     missing = [k for k in info.get("missing_keys", []) if not k.startswith("score.")]
@@ -531,6 +544,18 @@ def load_reward_model(model_dir, dtype: torch.dtype = torch.float32) -> nn.Modul
         raise ModelLoadError(f"{model_dir}: body weights missing from the checkpoint: {sorted(missing)[:8]}")
     if not isinstance(getattr(model, "score", None), nn.Linear) or model.score.out_features != 1:
         raise ModelLoadError(f"{model_dir}: {type(model).__name__} has no scalar `score` head")
+    if placement and any(k.startswith("score.") for k in info.get("missing_keys", [])):
+        # A new head, as the CPU load makes it: the model's own _init_weights on a CPU copy, drawing from the
+        # CPU RNG at the state the load started from (and leaving it where the CPU load leaves it), so a run's
+        # seeded head does not depend on where the weights were loaded (tests/test_modeling.py checks this).
+        score = model.score
+        fresh = nn.Linear(score.in_features, score.out_features, bias=score.bias is not None, device="meta",
+                          dtype=score.weight.dtype).to_empty(device="cpu")
+        torch.set_rng_state(cpu_rng)
+        model._init_weights(fresh)
+        with torch.no_grad():
+            for name, value in fresh.named_parameters():
+                getattr(score, name).copy_(value)
     model.config.pad_token_id, model.prefpipe_pad_source = reward_pad_token_id(model_dir, model.config)
     model.prefpipe_fused_kernels = use_fused_kernels(model)
     return model

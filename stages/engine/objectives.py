@@ -56,8 +56,9 @@ class Objective(Protocol):
     def fingerprint(self) -> dict:
         """What of this objective shapes the trajectory (checkpoints resume only a run with the same one)."""
 
-    def build_module(self, model_dir, train_settings) -> torch.nn.Module:
-        """The module the loop trains: a model from the reference directory and how its outputs are read."""
+    def build_module(self, model_dir, train_settings, device: torch.device | None = None) -> torch.nn.Module:
+        """The module the loop trains: a model from the reference directory and how its outputs are read.
+        device: where to load the weights (CUDA: read straight into GPU memory); None: the CPU."""
 
     def hf_model(self, module: torch.nn.Module) -> torch.nn.Module:
         """The Hugging Face model inside `module` (what is exported)."""
@@ -420,9 +421,9 @@ class DPOObjective:
             fp["simpo_gamma"] = self.simpo_gamma
         return fp
 
-    def build_module(self, model_dir, train_settings) -> SequenceLogProbs:
-        return SequenceLogProbs(load_causal_lm(model_dir), chunk_tokens=train_settings.logp_chunk_tokens,
-                                compile_chunks=train_settings.compile)
+    def build_module(self, model_dir, train_settings, device: torch.device | None = None) -> SequenceLogProbs:
+        return SequenceLogProbs(load_causal_lm(model_dir, device=device),
+                                chunk_tokens=train_settings.logp_chunk_tokens, compile_chunks=train_settings.compile)
 
     @staticmethod
     def hf_model(module: SequenceLogProbs):
@@ -504,8 +505,8 @@ class RewardObjective:
         return {"objective": self.name, "center_rewards_coefficient": self.center, "use_margin": self.use_margin,
                 "score_position": SCORE_POSITION}
 
-    def build_module(self, model_dir, train_settings) -> SequenceRewards:
-        return SequenceRewards(load_reward_model(model_dir))
+    def build_module(self, model_dir, train_settings, device: torch.device | None = None) -> SequenceRewards:
+        return SequenceRewards(load_reward_model(model_dir, device=device))
 
     @staticmethod
     def hf_model(module: SequenceRewards):
