@@ -153,6 +153,19 @@ def ceiling(work: Path, tok_dir: Path, n_pairs: int) -> dict:
             "render_pairs_per_s_per_core": round(len(pairs) / render_s, 1)}
 
 
+def pinned_gpt2_reference(gpt2: Path, dest: Path) -> str:
+    """The real GPT-2 tokenizer files in `dest` beside a tiny random GPT-2 (verify_ref pins model directories;
+    tokenize reads only the tokenizer files), pinned with `verify_ref pin`; returns the revision to put in
+    params.yaml's ref.revision."""
+    shutil.copytree(gpt2, dest)
+    subprocess.run([sys.executable, "-c", "import sys; from transformers import GPT2Config, GPT2LMHeadModel; "
+                    "GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024))"
+                    ".save_pretrained(sys.argv[1])", str(dest)], check=True, capture_output=True)
+    pin = subprocess.run([sys.executable, "-m", "stages.verify_ref", "pin", str(dest), "--repo-id", "bench/gpt2"],
+                         cwd=REPO, check=True, capture_output=True, text=True)
+    return pin.stdout.strip().split()[-1]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pairs", type=int, required=True)
@@ -179,15 +192,7 @@ def main() -> None:
     n = make_source(hh, args.pairs, work / "pairs_src.jsonl")
     make_s = time.perf_counter() - t0
     tok_dir = work / "gpt2"
-    shutil.copytree(gpt2, tok_dir)
-    # verify_ref pins model directories: a tiny random GPT-2 beside the real tokenizer (tokenize reads only the
-    # tokenizer files).
-    subprocess.run([sys.executable, "-c", "import sys; from transformers import GPT2Config, GPT2LMHeadModel; "
-                    "GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024))"
-                    ".save_pretrained(sys.argv[1])", str(tok_dir)], check=True, capture_output=True)
-    pin = subprocess.run([sys.executable, "-m", "stages.verify_ref", "pin", str(tok_dir), "--repo-id", "bench/gpt2"],
-                         cwd=REPO, check=True, capture_output=True, text=True)
-    revision = pin.stdout.strip().split()[-1]
+    revision = pinned_gpt2_reference(gpt2, tok_dir)
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["data"]["sources"] = [{"name": "hh_synthetic", "path": "pairs_src.jsonl", "format": "hh"}]
     params["probe"] = {"size": 512, "seed": 20261202}

@@ -38,6 +38,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 def prepare(work: Path, shared: Path, workers: int) -> None:
     import yaml
+    from data_bench import pinned_gpt2_reference     # the same pinned reference as the data bench (bench/ on sys.path)
 
     hh = shared / "data" / "hh-rlhf" / "harmless-base-test.jsonl.gz"
     gpt2 = shared / "data" / "tokenizers" / "gpt2"
@@ -47,17 +48,10 @@ def prepare(work: Path, shared: Path, workers: int) -> None:
     (work / "results").mkdir(parents=True)
     (work / "logs").mkdir()
     shutil.copy(hh, work / "hh.jsonl.gz")
-    tok = work / "gpt2"
-    shutil.copytree(gpt2, tok)
-    subprocess.run([sys.executable, "-c", "import sys; from transformers import GPT2Config, GPT2LMHeadModel; "
-                    "GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024))"
-                    ".save_pretrained(sys.argv[1])", str(tok)], check=True, capture_output=True)
-    pin = subprocess.run([sys.executable, "-m", "stages.verify_ref", "pin", str(tok), "--repo-id", "bench/gpt2"],
-                         cwd=REPO, check=True, capture_output=True, text=True)
+    revision = pinned_gpt2_reference(gpt2, work / "gpt2")
     params = yaml.safe_load((REPO / "params.yaml").read_text())
     params["data"]["sources"] = [{"name": "hh", "path": "hh.jsonl.gz", "format": "hh"}]
-    params["ref"] = {"source": "local", "repo_id": "bench/gpt2", "revision": pin.stdout.strip().split()[-1],
-                     "local_dir": "gpt2"}
+    params["ref"] = {"source": "local", "repo_id": "bench/gpt2", "revision": revision, "local_dir": "gpt2"}
     params["tokenize"].update({"max_length": 1024, "max_prompt_length": 256, "truncation": "keep_end",
                                "workers": workers})
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
