@@ -9,9 +9,7 @@ in its own thread pool) and is an out of one stage and a dep of another, as resu
 """
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,6 +17,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
+from test_pipeline_e2e import sh     # the same runner: stripped PREFPIPE_INSIDE_DVC, output tail on failure
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
 import sync_dvc  # noqa: E402
@@ -56,14 +55,6 @@ DVC_YAML = {"stages": {
     # Never built by this workflow: not ready, so neither the CLI reference nor commit_lock records it.
     "unbuilt": {"cmd": "true", "deps": ["knob.txt"], "outs": ["out/never.txt"]},
 }}
-
-
-def sh(*cmd: str, cwd: Path) -> str:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_INSIDE_DVC")}
-    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
-    if r.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}")
-    return r.stdout + r.stderr
 
 
 def git(repo: Path, *args: str) -> None:
