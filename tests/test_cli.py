@@ -191,3 +191,22 @@ def test_exit_after_success_keeps_every_log_line_and_console_byte_and_exits_0(tm
     assert r.returncode == 0, r.stderr
     assert r.stdout == "no newline" and "last line" in r.stderr
     assert (tmp_path / "s.log").read_text().splitlines()[-1].endswith("last line")
+
+
+def test_the_log_file_holds_what_our_code_logs_and_nothing_a_library_logs(tmp_path):
+    """logs/<stage>.log is hashed: a library's first-run notice (matplotlib's "generated new fontManager" on a
+    machine where it never ran, here a real first run: an empty MPLCONFIGDIR) reaches the console only, or a fresh
+    machine records a different log than a warm one."""
+    code = ("import logging\n"
+            "from stages.lib.io import MEASUREMENT, setup_logging\n"
+            "from stages.lib.cli import refuse\n"
+            f"setup_logging({str(tmp_path / 's.log')!r}, 's')\n"
+            "import matplotlib.font_manager\n"           # no font cache: matplotlib logs that it builds one
+            "logging.getLogger('s').info('ours')\n"
+            "refuse('s', 'bad input')\n"                 # logged by stages/lib/cli.py
+            "logging.getLogger('s').info('a timing', extra=MEASUREMENT)\n")
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "MPLCONFIGDIR": str(tmp_path / "empty_mpl")}
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    assert "generated new fontManager" in r.stderr and "a timing" in r.stderr
+    assert (tmp_path / "s.log").read_text() == "s INFO ours\ns ERROR s: refused: bad input\n"

@@ -11,7 +11,9 @@ import hashlib
 import json
 import logging
 import os
+import site
 import sys
+import sysconfig
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
@@ -222,10 +224,29 @@ class _NoMeasurements(logging.Filter):
         return not getattr(record, "measurement", False)
 
 
+# Where a library's code lives (the venv's and the user's site-packages, the standard library), and where ours does.
+_OUR_CODE = str(Path(__file__).resolve().parents[1]) + os.sep      # stages/ (this file is stages/lib/io.py)
+_LIBRARY_ROOTS = tuple(sorted({os.path.realpath(p) + os.sep for p in (
+    *(sysconfig.get_paths()[k] for k in ("purelib", "platlib", "stdlib", "platstdlib")), site.getusersitepackages())}))
+
+
+class _NoLibraries(logging.Filter):
+    """Records logged by library code (site-packages, the standard library) do not reach the hashed log file.
+    Libraries log what depends on the machine's caches and first runs (matplotlib's "generated new fontManager"
+    where it never ran, transformers', torch's and dvc's notices), which would make the same run write different
+    log bytes on a fresh machine; they still reach the console. Decided by the calling file, not the logger's
+    name, so any logger name our modules choose is kept (stages/ itself may be installed into site-packages)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        path = os.path.realpath(record.pathname)
+        return path.startswith(_OUR_CODE) or not path.startswith(_LIBRARY_ROOTS)
+
+
 def setup_logging(log_file: str | os.PathLike | None, name: str) -> logging.Logger:
     """Log to stderr (with timestamps) and, when given, to the rule's log file (Snakemake `log:` / DVC
     cmd). The log file is a hashed output of its stage (dvc.lock), so it holds the run's results and
-    decisions only: no timestamps and no MEASUREMENT lines, and the same run writes the same bytes."""
+    decisions only: no timestamps, no MEASUREMENT lines and nothing third-party code logs, and the same run
+    writes the same bytes on a warm machine and a fresh one."""
     console = logging.StreamHandler(sys.stderr)
     console.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     handlers: list[logging.Handler] = [console]
@@ -234,6 +255,7 @@ def setup_logging(log_file: str | os.PathLike | None, name: str) -> logging.Logg
         file_handler = logging.FileHandler(log_file, mode="w", encoding="utf-8")
         file_handler.setFormatter(logging.Formatter("%(name)s %(levelname)s %(message)s"))
         file_handler.addFilter(_NoMeasurements())
+        file_handler.addFilter(_NoLibraries())
         handlers.append(file_handler)
     logging.basicConfig(level=logging.INFO, handlers=handlers, force=True)
     return logging.getLogger(name)
