@@ -1,6 +1,6 @@
 """Both optimizers and the learning rate.
 
-- AdamW (torch's, fused on CUDA) over the module's parameters, weight decay on matrices only;
+- AdamW (torch's fused kernel, on CUDA and CPU) over the module's parameters, weight decay on matrices only;
 - MasterWeightAdamW: AdamW over fp32 master copies of bf16 weights (train.precision bf16);
 - the flat Triton AdamW of the CUDA-graph path lives in stages/engine/flat_adamw.py (it takes one of these over);
 - LRSchedule: HF-style warmup + cosine/linear/constant, set directly on the groups each step;
@@ -85,7 +85,12 @@ def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv,
     decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in module.parameters() if p.requires_grad and p.ndim < 2]
     groups = [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    kw = dict(lr=settings.lr, betas=settings.adam_betas, fused=env.device.type == "cuda")
+    # Fused on the CPU too, not only for speed: torch's unfused CPU AdamW takes exp_avg_sq.sqrt() through MKL's
+    # vector math (VML), whose float sqrt is not correctly rounded and differs between Intel and AMD processors
+    # even under the portable pin (MKL_CBWR covers BLAS, not VML): the same run trained different bytes on an
+    # AMD EPYC and an Intel Xeon. The fused kernel is an ATen kernel, the same on every x86-64 CPU
+    # under ATEN_CPU_CAPABILITY=default (tests/test_portable_numerics.py replays it under an emulated AMD CPU).
+    kw = dict(lr=settings.lr, betas=settings.adam_betas, fused=env.device.type in ("cuda", "cpu"))
     if masters is not None:
         return MasterWeightAdamW(groups, masters, **kw)
     return torch.optim.AdamW(groups, **kw)
