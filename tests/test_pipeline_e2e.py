@@ -22,8 +22,19 @@ from conftest import REPO_ROOT
 pytestmark = pytest.mark.slow
 
 
-def sh(*cmd: str, cwd: Path) -> str:
+# Where libraries keep first-run caches (matplotlib's font list, HF, Triton, DVC's site cache): dropped, so HOME
+# decides them all. The story runs with an empty HOME, as a stranger's first run does: a stage whose tracked
+# output depends on such a cache (matplotlib once logged "generated new fontManager" into logs/report.log) fails
+# the golden check on the first run, and the warm rerun of report below must then change nothing.
+CACHE_VARS = ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "HF_HOME", "HF_HUB_CACHE", "TRITON_CACHE_DIR",
+              "TORCHINDUCTOR_CACHE_DIR", "TORCH_HOME")
+
+
+def sh(*cmd: str, cwd: Path, home: Path | None = None) -> str:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_INSIDE_DVC")}
+    if home is not None:
+        home.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in env.items() if k not in CACHE_VARS} | {"HOME": str(home)}
     r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
     if r.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}")
@@ -62,8 +73,9 @@ def lock_outs(text: str) -> dict[str, str]:
 
 
 def test_snakemake_and_dvc_run_one_dag(tmp_path):
-    repo = copy_checkout(tmp_path)
-    sh("snakemake", "--cores", "2", cwd=repo)
+    repo = copy_checkout(tmp_path / "repo")
+    home = tmp_path / "home"       # empty: no matplotlib font cache, no HF cache, nothing from an earlier run
+    sh("snakemake", "--cores", "2", cwd=repo, home=home)
     # Golden: a clean checkout, run as README's first command runs it, gives exactly the committed record.
     # Every artifact of the CPU default is portable (docs/ARTIFACTS.md), so this holds on any x86-64 CPU
     # with the locked environment; a stale record (code changed, dvc.lock not regenerated) fails here too.
@@ -90,9 +102,13 @@ def test_snakemake_and_dvc_run_one_dag(tmp_path):
     commit(repo, "first run")
 
     bundle = (repo / "results/report/evidence.tar.gz").read_bytes()
-    # An unchanged rerun of the report gives a byte-identical evidence bundle.
-    sh("dvc", "repro", "--force", "--single-item", "report", cwd=repo)
+    report_log, lock = (repo / "logs/report.log").read_bytes(), (repo / "dvc.lock").read_text()
+    # An unchanged rerun of the report, now with the caches the first run left in HOME (warm), gives a
+    # byte-identical evidence bundle, log and dvc.lock entry.
+    sh("dvc", "repro", "--force", "--single-item", "report", cwd=repo, home=home)
     assert (repo / "results/report/evidence.tar.gz").read_bytes() == bundle
+    assert (repo / "logs/report.log").read_bytes() == report_log
+    assert (repo / "dvc.lock").read_text() == lock
     assert dvc_changed_stages(repo) == set()
 
     # A probe.seed change (and a training knob) reruns freeze_probe and what depends on it, and
