@@ -69,21 +69,20 @@ def main(argv: list[str] | None = None) -> dict:
     repo = args.repo.resolve()
     if not (repo / "dvc.lock").exists() or not (repo / "results" / "train_dpo" / "model").is_dir():
         raise SystemExit(f"dvc_commit_bench: refused: {repo} has no finished pipeline run (dvc.lock, results/)")
-    sys.path.insert(0, str(ROOT / "workflow"))
-    import sync_dvc
-
     ref_dir = repo / yaml.safe_load((repo / "params.yaml").read_text())["ref"]["local_dir"]
     big = [repo / "results/train_dpo/model/model.safetensors", repo / "results/train_rm/model/model.safetensors",
            ref_dir / "bench_padding.bin"]
     for path in big:
         if not path.exists() or path.stat().st_size != args.model_mb << 20:
             random_file(path, args.model_mb)
-    stages = sync_dvc.ready_stages(repo)
+    # A finished run: every dvc.yaml stage ran (what the Snakefile's onsuccess passes as --ran).
+    stages = list(yaml.safe_load((repo / "dvc.yaml").read_text())["stages"])
     lock = (repo / "dvc.lock").read_bytes()
     # sync_dvc.py works on the repository it sits in: this checkout's copy goes into --repo's workflow/.
     shutil.copy2(ROOT / "workflow" / "sync_dvc.py", repo / "workflow" / "sync_dvc_bench.py")
+    shutil.copy2(ROOT / "workflow" / "integrity.py", repo / "workflow" / "integrity.py")
     cmds = {"dvc_commit_cli": ["dvc", "commit", "--force", "--quiet", *stages],
-            "commit_lock": [sys.executable, "workflow/sync_dvc_bench.py", "--commit-lock"]}
+            "commit_lock": [sys.executable, "workflow/sync_dvc_bench.py", "--commit-lock", "--ran", *stages]}
     times: dict[str, list[float]] = {k: [] for k in cmds}
     locks: dict[str, bytes] = {}
     for _ in range(args.reps):

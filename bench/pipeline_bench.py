@@ -273,7 +273,8 @@ def main(argv: list[str] | None = None) -> dict:
         log_path = args.work / "snakemake.log"
         parts = {}
         for part, cmd, env in (("snakemake", ["snakemake", "--cores", str(args.cores)], {"PREFPIPE_INSIDE_DVC": "1"}),
-                               ("dvc_commit_lock", [sys.executable, "workflow/sync_dvc.py", "--commit-lock"], {})):
+                               ("dvc_commit_lock", [sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran",
+                                                    *yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]], {})):
             t0 = time.perf_counter()
             with open(log_path, "a") as log:
                 done = subprocess.run(cmd, cwd=repo, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **env})

@@ -1,7 +1,9 @@
-"""The Snakefile's onsuccess record (`sync_dvc.py --commit-lock`): one DVC session instead of `dvc commit`'s
-per-target passes, with the paths hashed in threads first. It must write the very dvc.lock that
-`dvc commit --force <ready stages>` writes (DVC's own CLI is the reference), leave `dvc status` clean after a
-Snakemake run, and keep the lock right when one rule reruns.
+"""The Snakefile's onsuccess record (`sync_dvc.py --commit-lock --ran STAGES`): one DVC session instead of
+`dvc commit`'s per-target passes, with the paths hashed in threads first. It must write the very dvc.lock that
+`dvc commit --force <the stages that ran>` writes (DVC's own CLI is the reference), leave `dvc status` clean after
+a Snakemake run, keep the lock right when one rule reruns, record nothing but the stages that ran (an output of
+another stage that changed on disk is refused, never recorded), and never leave dvc.lock empty or partial when
+the process dies mid-write.
 
 A small real workflow in a temporary git repository: real snakemake runs the rules, real DVC records them.
 Its model-like directory holds two files over dvc-data's 2 MiB "large file" threshold (dvc-data hashes those
@@ -10,7 +12,10 @@ in its own thread pool) and is an out of one stage and a dep of another, as resu
 from __future__ import annotations
 
 import shutil
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +57,7 @@ DVC_YAML = {"stages": {
     "model": {"cmd": "true", "deps": ["out/made.txt"], "outs": ["out/model"]},
     "report": {"cmd": "true", "deps": ["out/model", "out/made.txt"], "outs": ["out/report.txt"]},
     "other": {"cmd": "true", "deps": ["knob2.txt"], "outs": ["out/other.txt"]},
-    # Never built by this workflow: not ready, so neither the CLI reference nor commit_lock records it.
+    # Never built by this workflow: never named as ran, so neither the CLI reference nor commit_lock records it.
     "unbuilt": {"cmd": "true", "deps": ["knob.txt"], "outs": ["out/never.txt"]},
 }}
 
@@ -68,18 +73,18 @@ def dvc_changed(repo: Path) -> str:
     return sh("dvc", "status", *BUILT, cwd=repo)
 
 
-def reference_lock(repo: Path, tmp: Path) -> str:
-    """dvc.lock as DVC's CLI writes it: `dvc commit --force` of the ready stages, in a copy of the repo."""
+def reference_lock(repo: Path, tmp: Path, stages: list[str]) -> str:
+    """dvc.lock as DVC's CLI writes it: `dvc commit --force STAGES`, in a copy of the repo."""
     ref = tmp / "reference"
     if ref.exists():
         shutil.rmtree(ref)
     shutil.copytree(repo, ref, symlinks=True)
-    sh("dvc", "commit", "--force", "--quiet", *sync_dvc.ready_stages(ref), cwd=ref)
+    sh("dvc", "commit", "--force", "--quiet", *stages, cwd=ref)
     return (ref / "dvc.lock").read_text()
 
 
-@pytest.mark.skipif(shutil.which("dvc") is None or shutil.which("snakemake") is None, reason="needs dvc and snakemake")
-def test_commit_lock_writes_what_dvc_commit_writes_and_status_is_clean(tmp_path):
+def built_repo(tmp_path: Path) -> Path:
+    """The small workflow, run by real snakemake and recorded by commit_lock, committed to git."""
     repo = tmp_path / "repo"
     repo.mkdir()
     (repo / "Snakefile").write_text(SNAKEFILE)
@@ -91,11 +96,19 @@ def test_commit_lock_writes_what_dvc_commit_writes_and_status_is_clean(tmp_path)
     sh("dvc", "init", "-q", cwd=repo)
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "init")
-
     sh("snakemake", "--cores", "2", cwd=repo)
-    assert sync_dvc.ready_stages(repo) == ["make", "model", "report", "other"]
-    want = reference_lock(repo, tmp_path)
-    assert sync_dvc.commit_lock(repo) == ["make", "model", "report", "other"]
+    return repo
+
+
+needs_tools = pytest.mark.skipif(shutil.which("dvc") is None or shutil.which("snakemake") is None,
+                                 reason="needs dvc and snakemake")
+
+
+@needs_tools
+def test_commit_lock_writes_what_dvc_commit_writes_and_status_is_clean(tmp_path):
+    repo = built_repo(tmp_path)
+    want = reference_lock(repo, tmp_path, BUILT)
+    assert sync_dvc.commit_lock(repo, ran=BUILT) == BUILT
     assert (repo / "dvc.lock").read_text() == want
     lock = yaml.safe_load(want)["stages"]
     assert set(lock) == {"make", "model", "report", "other"}
@@ -111,9 +124,9 @@ def test_commit_lock_writes_what_dvc_commit_writes_and_status_is_clean(tmp_path)
     assert "make" in dvc_changed(repo)
     ran = sh("snakemake", "--cores", "2", cwd=repo)
     assert "rule other" not in ran and "rule model" in ran, ran
-    want = reference_lock(repo, tmp_path)
+    want = reference_lock(repo, tmp_path, ["make", "model", "report"])
     before = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
-    sync_dvc.commit_lock(repo)
+    sync_dvc.commit_lock(repo, ran=["make", "model", "report"])
     assert (repo / "dvc.lock").read_text() == want
     after = yaml.safe_load(want)["stages"]
     assert after["other"] == before["other"]
@@ -128,5 +141,76 @@ def test_commit_lock_writes_what_dvc_commit_writes_and_status_is_clean(tmp_path)
 
 def test_commit_lock_does_nothing_without_a_dvc_repository(tmp_path):
     (tmp_path / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML, sort_keys=False))
-    assert sync_dvc.commit_lock(tmp_path) == []
+    assert sync_dvc.commit_lock(tmp_path, ran=BUILT) == []
     assert not (tmp_path / "dvc.lock").exists()
+
+
+@needs_tools
+def test_an_output_changed_outside_the_run_is_never_recorded(tmp_path):
+    """The onsuccess commit of a run that rebuilt `make` must not record out/other.txt, which no job of the run
+    wrote but which changed on disk (a flipped byte): the ran stages are recorded, the commit is refused naming
+    the file and its stage, and other's entry keeps the hash of what was built."""
+    repo = built_repo(tmp_path)
+    sync_dvc.commit_lock(repo, ran=BUILT)
+    before = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    data = bytearray((repo / "out/other.txt").read_bytes())
+    data[0] ^= 0x01
+    (repo / "out/other.txt").write_bytes(bytes(data))
+    (repo / "knob.txt").write_text("two\n")
+    sh("snakemake", "--cores", "2", "--forcerun", "make", "--until", "make", cwd=repo)
+    with pytest.raises(sync_dvc.CommitRefused, match=r"out/other\.txt \(stage other: snakemake --forcerun other\)"):
+        sync_dvc.commit_lock(repo, ran=["make"])
+    after = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert after["other"] == before["other"]
+    assert after["make"] != before["make"]                 # what ran is recorded
+    assert "other" in dvc_changed(repo)                    # and DVC still flags the changed file
+
+
+@needs_tools
+def test_an_empty_or_corrupt_dvc_lock_is_refused_not_overwritten(tmp_path):
+    repo = built_repo(tmp_path)
+    for text in ("", "stages: [unclosed\n"):
+        (repo / "dvc.lock").write_text(text)
+        with pytest.raises(Exception, match=r"dvc\.lock is (empty|not valid YAML).*git checkout dvc\.lock"):
+            sync_dvc.commit_lock(repo, ran=BUILT)
+        assert (repo / "dvc.lock").read_text() == text
+
+
+def _commit_cli(repo: Path, prefix: list[str] = ()) -> subprocess.Popen:
+    """`python workflow/sync_dvc.py --commit-lock` as the Snakefile's onsuccess runs it, in `repo`."""
+    (repo / "workflow").mkdir(exist_ok=True)
+    for name in ("sync_dvc.py", "integrity.py"):
+        shutil.copy2(REPO_ROOT / "workflow" / name, repo / "workflow" / name)
+    return subprocess.Popen([*prefix, sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *BUILT],
+                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+@needs_tools
+@pytest.mark.skipif(shutil.which("strace") is None, reason="needs strace (Debian: apt-get install strace)")
+def test_dvc_lock_is_the_old_or_the_new_record_when_the_commit_dies_mid_write(tmp_path):
+    """kill -9 of the commit at the worst moments, made deterministic by strace's fault injection: SIGKILL at the
+    process's first write() to dvc.lock itself (DVC's own writer rewrote it in place: that left it empty), and at
+    the rename that would publish the new record. Either way dvc.lock is the previous record, byte for byte, or
+    the new one. Then kill -9 by PID at spread-out moments of real commits: every time, the old or the new."""
+    repo = built_repo(tmp_path)
+    old = b"schema: '2.0'\nstages: {}\n"
+    (repo / "dvc.lock").write_bytes(old)
+    new = reference_lock(repo, tmp_path, BUILT).encode()
+    for inject, want in ((["-P", "dvc.lock", "-e", "trace=write,pwrite64,writev", "-e", "inject=write,pwrite64,writev:signal=KILL"], new),
+                         (["-e", "trace=rename,renameat,renameat2", "-e", "inject=rename,renameat,renameat2:signal=KILL"], old)):
+        (repo / "dvc.lock").write_bytes(old)
+        proc = _commit_cli(repo, prefix=["strace", "-f", "-qq", "-o", "/dev/null", *inject])
+        proc.communicate(timeout=120)
+        assert (repo / "dvc.lock").read_bytes() == want, (inject, proc.returncode)
+
+    for delay in (0.3, 0.6, 0.9, 1.2, 1.5, 1.8, 2.1, 2.4, 3.0, 4.0):
+        (repo / "dvc.lock").write_bytes(old)
+        proc = _commit_cli(repo)
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=60)
+        now = (repo / "dvc.lock").read_bytes()
+        assert now in (old, new), f"kill -9 after {delay}s left a dvc.lock that is neither record:\n{now[:400]!r}"
+    # A killed writer's temporary copy stays under .dvc/tmp (git-ignored), never beside dvc.lock.
+    untracked = sh("git", "status", "--porcelain", "--untracked-files=all", cwd=repo).split()
+    assert not [p for p in untracked if "dvc.lock." in p], untracked

@@ -33,6 +33,8 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(Path(__file__).resolve().parent) not in sys.path:      # `from integrity import ...` when imported by tests
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
 PERF_SUFFIX = ".perf.json"
 HEADER = (
     "# GENERATED from the Snakefile by `python workflow/sync_dvc.py`; do not edit by hand.\n"
@@ -52,13 +54,29 @@ def _param_key(name: str, value, config: dict) -> str:
     return key
 
 
+@contextlib.contextmanager
+def _environ(name: str, value: str):
+    previous = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = previous
+
+
 def snakemake_jobs(root: Path = ROOT) -> tuple[list, dict]:
     """Snakemake's jobs for `rule all`, in a deterministic topological order, plus the config."""
     from snakemake.api import SnakemakeApi
     from snakemake.settings.types import DAGSettings, OutputSettings, ResourceSettings
     from snakemake.settings.enums import Quietness
 
-    with SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+    from integrity import DAG_ONLY
+
+    # A DAG read: the Snakefile's start-up takes no DVC lock and forces no rerun (restored after: tests import this).
+    with _environ(DAG_ONLY, "1"), SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
         wf_api = api.workflow(resource_settings=ResourceSettings(cores=1), snakefile=root / "Snakefile", workdir=root)
         wf_api.dag(DAGSettings())
         workflow = wf_api._workflow
@@ -125,50 +143,96 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
     return HEADER + body
 
 
-def ready_stages(root: Path = ROOT) -> list[str]:
-    """dvc.yaml's stages (in its order) whose outputs all exist: the ones a Snakemake run can have built."""
-    dvc = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
-    ready = []
-    for name, stage in dvc.items():
-        paths = [next(iter(o)) if isinstance(o, dict) else o
-                 for key in ("outs", "metrics", "plots") for o in stage.get(key, [])]
-        if all((root / p).exists() for p in paths):
-            ready.append(name)
-    return ready
+class CommitRefused(Exception):
+    """The run's record cannot be written as asked; str() names the file and the stage to rerun."""
 
 
-def commit_lock(root: Path = ROOT, jobs: int | None = None) -> list[str]:
-    """Record the outputs Snakemake just produced in dvc.lock, so that `dvc status` agrees with the
-    Snakemake run: what `dvc commit --force <every ready stage>` records, done in one DVC session.
+def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | None = None) -> list[str]:
+    """Record in dvc.lock the stages whose jobs ran in this Snakemake run (`ran`: rule names = dvc.yaml stage
+    names), what `dvc commit --force <those stages>` records, done in one DVC session. Returns the committed names.
 
-    `dvc commit A B C` commits its targets one by one, and each one re-parses dvc.yaml and dvc.lock and
-    rewrites dvc.lock (ruamel, ~0.6 s a stage here: 6 of the 7.5 s of a no-change commit of the 10
-    stages). Here the stages are collected once and dvc.lock is written once. Before DVC's own
-    (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db then
-    answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the
-    GIL; dvc-data hashes in threads only inside a directory of several large files, and a model
-    directory has one). Returns the committed stage names."""
-    if not (root / ".dvc").is_dir():
-        return []
-    try:
-        from dvc.repo import Repo, lock_repo
-    except ImportError:  # DVC is optional for a Snakemake-only user
-        return []
-    ready = ready_stages(root)
-    if not ready:
-        return []
-    # DVC resolves stage paths against the working directory (as its CLI runs in the repository).
-    with contextlib.chdir(root), Repo(".") as repo, lock_repo(repo):
-        by_name = {stage.name: stage for stage in repo.stage.load_all("dvc.yaml")}
-        stages = [by_name[name] for name in ready]
-        _warm_hashes(stages, jobs)
+    Only what this run built is recorded. Every other stage that dvc.lock records is checked: an output that exists
+    but no longer hashes to its recorded value was changed outside the pipeline (on-disk corruption, a hand edit)
+    and must never become the record, so after writing the ran stages' entries the commit is refused naming it and
+    the stage to rerun. A missing output of a stage outside this run is a workspace that lacks it (`dvc status`
+    says deleted), not a new truth: its entry is left as it was.
+
+    dvc.lock is written atomically (a copy updated beside it, fsync'd, renamed over it): a crash leaves the old
+    record or the new one, never an empty or partial file.
+
+    Before DVC's own (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db
+    then answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the GIL;
+    dvc-data hashes in threads only inside a directory of several large files, and a model directory has one)."""
+    from integrity import dvc_session, read_lockfile, stage_changes
+
+    ran = list(dict.fromkeys(ran or []))
+    recorded = read_lockfile(root)            # an empty or unparsable dvc.lock is refused, not overwritten blindly
+    with dvc_session(root) as repo:
+        if repo is None:
+            return []
+        by_name = {stage.name: stage for stage in repo.index.stages}
+        unknown = [name for name in ran if name not in by_name]
+        if unknown:
+            raise CommitRefused(f"--ran names no dvc.yaml stage: {', '.join(unknown)} (run `python workflow/sync_dvc.py`"
+                                " after changing the Snakefile or data.sources)")
+        built = [by_name[name] for name in ran]
+        for stage in built:
+            missing = [o.def_path for o in stage.outs if not o.exists]
+            if missing:
+                raise CommitRefused(f"stage {stage.name} ran but its outputs are missing: {', '.join(missing)}; "
+                                    f"nothing recorded (rerun it: snakemake --forcerun {stage.name})")
+        others = {name: rec for name, rec in recorded.items() if name in by_name and name not in ran}
+        _warm_hashes([*built, *(by_name[name] for name in others)], jobs)
+        changed = {name: [path for path, change in ch["outs"].items() if change == "modified"]
+                   for name, ch in stage_changes(repo, others).items()}
+        changed = {name: paths for name, paths in changed.items() if paths}
         # What `dvc commit --force` does per stage (dvc/repo/commit.py): save = hash deps and outs,
         # commit = outs into the cache (and relinked), then the lock entries, all written in one dump.
-        for stage in stages:
+        for stage in built:
             stage.save()
             stage.commit(relink=True)
-        stages[0].dvcfile.dump_stages(stages, update_pipeline=False)
-    return ready
+        if built:
+            _dump_lock_atomically(repo, root, built)
+    if changed:
+        lines = "; ".join(f"{', '.join(paths)} (stage {name}: snakemake --forcerun {name})"
+                          for name, paths in sorted(changed.items()))
+        raise CommitRefused(f"not recorded in dvc.lock: outputs changed since they were built, and no job of this run "
+                            f"wrote them: {lines}")
+    return ran
+
+
+def _dump_lock_atomically(repo, root: Path, stages: list) -> None:
+    """DVC's own lock serialization (dvc.dvcfile.Lockfile.dump_stages: the bytes `dvc commit` writes), into a
+    copy of dvc.lock beside it, then fsync and rename: DVC itself rewrites dvc.lock in place, so a kill -9
+    mid-write used to leave it empty."""
+    import shutil
+    import tempfile
+    from dvc.dvcfile import Lockfile
+
+    target = root / "dvc.lock"
+    # The copy lives in .dvc/tmp (git-ignored, the same file system as dvc.lock, so the rename is atomic): a
+    # writer killed before the rename leaves its copy there, not an untracked file beside dvc.lock.
+    tmp_dir = root / ".dvc" / "tmp"
+    tmp_dir.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="dvc.lock.", suffix=".tmp", dir=tmp_dir)
+    os.close(fd)
+    try:
+        if target.exists():
+            shutil.copyfile(target, tmp)
+        else:
+            os.unlink(tmp)                    # Lockfile starts a new file where none exists
+        Lockfile(repo, tmp, verify=False).dump_stages(stages)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        dir_fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def _warm_hashes(stages: list, jobs: int | None) -> None:
@@ -211,7 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     mode = ap.add_mutually_exclusive_group()
     mode.add_argument("--check", action="store_true", help="fail if dvc.yaml is out of date")
-    mode.add_argument("--commit-lock", action="store_true", help="dvc commit the stages whose outputs exist")
+    mode.add_argument("--commit-lock", action="store_true",
+                      help="record in dvc.lock the stages named by --ran (the jobs a Snakemake run just ran)")
+    ap.add_argument("--ran", nargs="*", default=[], metavar="STAGE",
+                    help="with --commit-lock: the stages whose jobs ran (only these are recorded)")
     mode.add_argument("--record-for-snakemake", nargs="+", metavar="FILE",
                       help="record files DVC just built in Snakemake's provenance (snakemake --touch)")
     args = ap.parse_args(argv)
@@ -226,7 +293,12 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             pass
         logging.getLogger("dvc").setLevel(logging.WARNING)  # as `dvc commit --quiet`: no "Updating lock file"
-        commit_lock()
+        from integrity import IntegrityError
+        try:
+            commit_lock(ran=args.ran)
+        except (CommitRefused, IntegrityError) as e:
+            print(f"sync_dvc --commit-lock: refused: {e}", file=sys.stderr)
+            return 1
         return 0
     jobs, config = snakemake_jobs()
     text = render_dvc_yaml(jobs, config)
@@ -239,7 +311,9 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("dvc.yaml matches the Snakefile")
         return 0
-    target.write_text(text)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")    # atomic: a crash leaves the old dvc.yaml
+    tmp.write_text(text)
+    os.replace(tmp, target)
     print(f"wrote {target.relative_to(ROOT)} ({len(jobs)} stages)")
     return 0
 

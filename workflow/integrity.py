@@ -1,0 +1,193 @@
+"""Hashes are the one truth for "up to date": what a Snakemake run checks before it schedules and records after.
+
+Snakemake decides what to rerun from modification times and its own metadata, never from content: a bit flipped in
+an output, an output deleted by a crash, a reference file edited in place with its mtime kept, are all invisible
+to it. dvc.lock records the hash of every dep and out of every stage as last built. So, before Snakemake builds
+its DAG (the Snakefile calls `RunGuard` at start-up, in Snakemake's main process only):
+
+* the repository's DVC lock is taken for the whole run, so `dvc repro` cannot run beside this Snakemake run (and
+  a Snakemake run started while DVC holds it is refused, saying so);
+* dvc.lock must be readable: an empty or unparsable one (a crash mid-write by an older version, a bad merge) is
+  refused, naming it, rather than treated as "nothing recorded";
+* every stage dvc.lock records is compared with the workspace in one DVC session (DVC's state db keeps this cheap:
+  a file is re-hashed only when its inode, mtime or size changed): a modified or missing output, or a changed dep
+  (file, params, command), makes the stage's rule rerun, and the reason is printed. The rerun is Snakemake's own
+  `--forcerun` (the command starts itself again with those stages added: RunGuard.rerun_forcing), so the stage
+  and everything downstream of it rerun, and `snakemake --dry-run` lists them as forced, changing nothing.
+  (Marking outputs older than their inputs does not work: Snakemake ignores a newer input whose checksum it
+  recorded unchanged, and an output mtime of 0.)
+
+After a successful run, `workflow/sync_dvc.py --commit-lock --ran <rules>` records the jobs that ran (and only
+those) and refuses to record an output of any other stage that no longer matches dvc.lock (sync_dvc.py).
+
+What this cannot see: a change that keeps a file's size, mtime and inode (DVC's state db trusts those) and happens
+while no stage reads the file; the stages that read bytes that matter re-verify them by content themselves
+(token hashes, parquet page checksums, the reference's digests).
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCKFILE = "dvc.lock"
+# Set by the processes that must not take DVC's lock or force reruns: `dvc repro`'s own stage commands
+# (sync_dvc.py --record-for-snakemake runs `snakemake --touch` while DVC holds the lock) and sync_dvc.py's DAG build.
+INSIDE_DVC = "PREFPIPE_INSIDE_DVC"
+DAG_ONLY = "PREFPIPE_DAG_ONLY"
+# The stages a Snakemake command was started again to force (RunGuard.rerun_forcing), so the new process does not
+# start itself again for them.
+FORCED = "PREFPIPE_FORCED_STAGES"
+
+
+class IntegrityError(Exception):
+    """The run cannot start or be recorded; str() is one line naming the file and what to do."""
+
+
+def read_lockfile(root: Path = ROOT) -> dict:
+    """dvc.lock's stages ({} when there is no dvc.lock yet); an empty or unparsable dvc.lock is refused."""
+    path = root / LOCKFILE
+    if not path.exists():
+        return {}
+    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise IntegrityError(f"{LOCKFILE} is not valid YAML ({str(e).splitlines()[0]}): restore it with "
+                             f"`git checkout {LOCKFILE}` (the committed record) before running") from e
+    if not isinstance(doc, dict) or not isinstance(doc.get("stages"), dict):
+        what = "empty" if not text.strip() else "not a DVC lock file (no `stages:` mapping)"
+        raise IntegrityError(f"{LOCKFILE} is {what}: restore it with `git checkout {LOCKFILE}` (the committed "
+                             "record) before running; nothing can be trusted as up to date without it")
+    return doc["stages"]
+
+
+@contextlib.contextmanager
+def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
+    """A DVC Repo of `root` with its repository lock held (DVC's own `.dvc/tmp/lock`, the one `dvc repro`
+    takes), or None when `root` is no DVC repository or DVC is not installed."""
+    if not (root / ".dvc").is_dir():
+        yield None
+        return
+    try:
+        from dvc.lock import LockError
+        from dvc.repo import Repo, lock_repo
+    except ImportError:       # DVC is optional for a Snakemake-only user
+        yield None
+        return
+    with contextlib.chdir(root), Repo(".") as repo:
+        try:
+            ctx = lock_repo(repo)
+            ctx.__enter__()
+        except LockError as e:
+            raise IntegrityError(
+                f"another DVC or Snakemake process holds this repository's lock ({root / '.dvc/tmp/lock'}): "
+                "wait for that `dvc repro` / `snakemake` run to finish (two runs at once would write the same "
+                "outputs)") from e
+        try:
+            yield repo
+        finally:
+            ctx.__exit__(None, None, None)
+
+
+def stage_changes(repo, recorded: dict) -> dict[str, dict]:
+    """Every dvc.yaml stage that dvc.lock records and whose deps or outs no longer match it in the workspace:
+    {stage: {"deps": {path: change}, "params": {key: change}, "outs": {path: change}, "other": [...]}}, a change
+    being DVC's word ('modified', 'deleted', 'new'). Workspace status, not `dvc status`'s: that reports an out
+    whose object is absent from the cache as 'not in cache' whatever its bytes (a fresh clone's state)."""
+    stale = {}
+    for stage in repo.index.stages:
+        if getattr(stage, "name", None) not in recorded:
+            continue                        # never recorded: Snakemake's own rules decide
+        changes: dict = {"deps": {}, "params": {}, "outs": {}, "other": []}
+        for kind, items in (("deps", stage.deps), ("outs", stage.outs)):
+            for item in items:
+                for path, change in item.workspace_status().items():
+                    if isinstance(change, dict):     # params: {params.yaml: {train.lr: modified}}
+                        changes["params"].update(change)
+                    else:
+                        changes[kind][path] = change
+        if stage.changed_stage():
+            changes["other"].append("changed command")
+        if any(changes.values()):
+            stale[stage.name] = changes
+    return stale
+
+
+def describe(changes: dict) -> list[str]:
+    """A stage's changes as short reasons: 'results/x deleted', 'params train.lr modified', 'changed command'."""
+    return ([f"{path} {change}" for path, change in changes["outs"].items()]
+            + [f"{path} {change}" for path, change in changes["deps"].items()]
+            + [f"params {key} {change}" for key, change in changes["params"].items()] + changes["other"])
+
+
+def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
+    """The out paths (outs, metrics, plots, logs) of the named dvc.yaml stages, repository-relative."""
+    return {stage.name: [os.path.relpath(out.fs_path, repo.root_dir) for out in stage.outs]
+            for stage in repo.index.stages if getattr(stage, "name", None) in names}
+
+
+def guards_this_process(workflow) -> bool:
+    """Only Snakemake's main process of a user's run checks and locks: not jobs on cluster nodes (their own
+    Snakemake processes), not `dvc repro`'s bookkeeping calls, not sync_dvc.py's DAG build."""
+    return (workflow.is_main_process and not os.environ.get(INSIDE_DVC) and not os.environ.get(DAG_ONLY))
+
+
+class RunGuard:
+    """What a Snakemake run holds from start-up to its end: DVC's repository lock, and the stages it must rerun."""
+
+    def __init__(self, root: Path = ROOT, log=None):
+        self.root = root
+        self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
+        self._session = None
+        recorded = read_lockfile(root)
+        self._session = dvc_session(root)
+        repo = self._session.__enter__()
+        # A dry run has no onsuccess/onerror: give the lock back at exit, before the interpreter tears DVC down.
+        atexit.register(self.release)
+        already = {name for name in os.environ.get(FORCED, "").split(",") if name}
+        self.stale: dict[str, list[str]] = {}
+        try:
+            if repo is not None and recorded:
+                self.stale = {name: describe(ch) for name, ch in stage_changes(repo, recorded).items()}
+        except BaseException:
+            self.release()
+            raise
+        for name, reasons in self.stale.items():
+            if name not in already:
+                shown = "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else "")
+                self._log(f"integrity: {name} must rerun: it no longer matches {LOCKFILE} ({shown})")
+        self.unforced = sorted(set(self.stale) - already)
+
+    def release(self) -> None:
+        """Give DVC's lock back (before onsuccess records the run through sync_dvc.py, which takes it itself)."""
+        if self._session is not None:
+            session, self._session = self._session, None
+            session.__exit__(None, None, None)
+
+    def rerun_forcing(self) -> None:
+        """Start this same Snakemake command again with the stale stages added to --forcerun (what the user would
+        type), replacing this process: Snakemake fixes --forcerun before the Snakefile is read, so a Snakefile can
+        only ask for it this way. The stale stages and everything downstream of them then rerun, and a dry run
+        lists them as forced. Only for the `snakemake` command line; an API caller is told what to pass."""
+        forced = sorted(set(self.stale) | {n for n in os.environ.get(FORCED, "").split(",") if n})
+        program = Path(sys.argv[0]).name if sys.argv else ""
+        if program not in ("snakemake", "__main__.py"):
+            raise IntegrityError(f"stages {', '.join(self.unforced)} no longer match {LOCKFILE}: run them with "
+                                 f"--forcerun {' '.join(forced)}")
+        from snakemake.cli import get_argument_parser
+        argv = sys.argv[1:]
+        given, _ = get_argument_parser().parse_known_args(argv)
+        rules = sorted(set(given.forcerun or []) | set(forced))     # the last --forcerun wins: pass the union
+        self._log(f"integrity: running again as `snakemake {' '.join(argv)} --forcerun {' '.join(rules)}`")
+        self.release()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "snakemake", *argv, "--forcerun", *rules],
+                  {**os.environ, FORCED: ",".join(forced)})
