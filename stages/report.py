@@ -85,11 +85,16 @@ class LeakError(ReportError):
 HASH_THREADS = max(1, min(8, os.cpu_count() or 1))
 
 
+# Snakemake's mtime marker inside a directory() output: present when Snakemake built the directory, absent when
+# `dvc repro` did. Not part of a directory's hash here, as not in DVC's (.dvcignore lists it).
+SNAKEMAKE_DIR_MARKER = ".snakemake_timestamp"
+
+
 def _dir_files(path: Path) -> list[Path]:
     out = []
     for root, dirs, files in os.walk(path):
         dirs.sort()
-        out += [Path(root) / name for name in files]
+        out += [Path(root) / name for name in files if name != SNAKEMAKE_DIR_MARKER]
     return out
 
 
