@@ -1,8 +1,8 @@
 """Hashes are the one truth for "up to date": what a Snakemake run checks before it schedules and records after.
 
 Snakemake decides what to rerun from modification times and its own metadata, never from content: a bit flipped in
-an output, an output deleted by a crash, a reference file edited in place with its mtime kept, are all invisible
-to it. dvc.lock records the hash of every dep and out of every stage as last built. So, before Snakemake builds
+an output, a reference file edited in place (a directory input's mtime does not change), a source restored to an
+older mtime, are all invisible to it. dvc.lock records the hash of every dep and out of every stage as last built. So, before Snakemake builds
 its DAG (the Snakefile calls `RunGuard` at start-up, in Snakemake's main process only):
 
 * the repository's DVC lock is taken for the whole run, so `dvc repro` cannot run beside this Snakemake run (and
@@ -10,8 +10,9 @@ its DAG (the Snakefile calls `RunGuard` at start-up, in Snakemake's main process
 * dvc.lock must be readable: an empty or unparsable one (a crash mid-write by an older version, a bad merge) is
   refused, naming it, rather than treated as "nothing recorded";
 * every stage dvc.lock records is compared with the workspace in one DVC session (DVC's state db keeps this cheap:
-  a file is re-hashed only when its inode, mtime or size changed): a modified or missing output, or a changed dep
-  (file, params, command), makes the stage's rule rerun, and the reason is printed. The rerun is Snakemake's own
+  a file is re-hashed only when its inode, mtime or size changed): a modified output, or a changed dep (file,
+  params, command), makes the stage's rule rerun, and the reason is printed (a missing output Snakemake reruns by
+  itself, and the run's end checks that no declared output is missing). The rerun is Snakemake's own
   `--forcerun` (the command starts itself again with those stages added: RunGuard.rerun_forcing), so the stage
   and everything downstream of it rerun, and `snakemake --dry-run` lists them as forced, changing nothing.
   (Marking outputs older than their inputs does not work: Snakemake ignores a newer input whose checksum it
@@ -120,6 +121,14 @@ def stage_changes(repo, recorded: dict) -> dict[str, dict]:
     return stale
 
 
+def content_changed(changes: dict) -> bool:
+    """Whether a stage's changes are ones Snakemake cannot see: bytes that differ from the record (a modified out or
+    dep, whatever its mtime), changed params or command. Missing files are not: Snakemake reruns a job whose output
+    is missing, and rebuilds a missing dep upstream (a fresh clone, where nothing is built, forces nothing)."""
+    return (bool(changes["params"]) or bool(changes["other"])
+            or any(change == "modified" for kind in ("outs", "deps") for change in changes[kind].values()))
+
+
 def describe(changes: dict) -> list[str]:
     """A stage's changes as short reasons: 'results/x deleted', 'params train.lr modified', 'changed command'."""
     return ([f"{path} {change}" for path, change in changes["outs"].items()]
@@ -155,7 +164,8 @@ class RunGuard:
         self.stale: dict[str, list[str]] = {}
         try:
             if repo is not None and recorded:
-                self.stale = {name: describe(ch) for name, ch in stage_changes(repo, recorded).items()}
+                self.stale = {name: describe(ch) for name, ch in stage_changes(repo, recorded).items()
+                              if content_changed(ch)}
         except BaseException:
             self.release()
             raise
