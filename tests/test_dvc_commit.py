@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from test_pipeline_e2e import sh     # the same runner: stripped PREFPIPE_INSIDE_DVC, output tail on failure
+from pipeline_helpers import sh
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
 import sync_dvc  # noqa: E402

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from conftest import HH_RLHF, REPO_ROOT, SHARED_DATA
-from test_pipeline_e2e import copy_checkout, sh
+from pipeline_helpers import copy_checkout, sh
 
 
 def readme_real_data_blocks() -> tuple[str, str]:

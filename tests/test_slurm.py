@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO_ROOT
 from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
 from slurm_cluster import SlurmCluster, SlurmUnavailable
-from test_pipeline_e2e import copy_checkout, dvc_changed_stages
+from pipeline_helpers import copy_checkout, dvc_changed_stages
 from test_train import assert_same_training, stage_args, torchrun, write_params
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))

@@ -99,14 +99,15 @@ def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
 
 def stage_changes(repo, recorded: dict) -> dict[str, dict]:
     """Every dvc.yaml stage that dvc.lock records and whose deps or outs no longer match it in the workspace:
-    {stage: {"deps": {path: change}, "params": {key: change}, "outs": {path: change}, "other": [...]}}, a change
-    being DVC's word ('modified', 'deleted', 'new'). Workspace status, not `dvc status`'s: that reports an out
+    {stage: {"deps": {path: change}, "params": {key: change}, "outs": {path: change}, "files": {path: change},
+    "other": [...]}}, a change being DVC's word ('modified', 'deleted', 'new'); "files" names the files inside a
+    modified directory dep or out (when its recorded listing is in DVC's cache). Workspace status, not `dvc status`'s: that reports an out
     whose object is absent from the cache as 'not in cache' whatever its bytes (a fresh clone's state)."""
     stale = {}
     for stage in repo.index.stages:
         if getattr(stage, "name", None) not in recorded:
             continue                        # never recorded: Snakemake's own rules decide
-        changes: dict = {"deps": {}, "params": {}, "outs": {}, "other": []}
+        changes: dict = {"deps": {}, "params": {}, "outs": {}, "files": {}, "other": []}
         for kind, items in (("deps", stage.deps), ("outs", stage.outs)):
             for item in items:
                 for path, change in item.workspace_status().items():
@@ -114,11 +115,36 @@ def stage_changes(repo, recorded: dict) -> dict[str, dict]:
                         changes["params"].update(change)
                     else:
                         changes[kind][path] = change
+                        if change == "modified" and _is_dir_record(item):   # name the files inside, where it can
+                            changes["files"].update({f"{path}/{rel}": what for rel, what in _changed_files(item).items()})
         if stage.changed_stage():
             changes["other"].append("changed command")
         if any(changes.values()):
             stale[stage.name] = changes
     return stale
+
+
+def _is_dir_record(item) -> bool:
+    value = getattr(getattr(item, "hash_info", None), "value", None)
+    return isinstance(value, str) and value.endswith(".dir")
+
+
+def _changed_files(item) -> dict[str, str]:
+    """{relpath: 'modified' | 'deleted' | 'new'} between a directory's recorded listing (DVC's cache holds the
+    .dir object once the run was committed) and the workspace; {} when the listing is not at hand (then the
+    directory itself is named). Uses DVC's own tree build (dry run: nothing is written to the cache)."""
+    try:
+        recorded = item.get_obj()
+        if recorded is None:
+            return {}
+        _, _, current = item._build(item.cache, item.fs_path, item.fs, item.hash_name, ignore=item.dvcignore,
+                                    dry_run=True, no_progress_bar=True)
+        old = {"/".join(key): hash_info.value for key, _, hash_info in recorded}
+        new = {"/".join(key): hash_info.value for key, _, hash_info in current}
+    except Exception:  # noqa: BLE001 -- only a nicer message is lost: the directory is still reported as modified
+        return {}
+    return {rel: "deleted" if rel not in new else "new" if rel not in old else "modified"
+            for rel in sorted(set(old) | set(new)) if old.get(rel) != new.get(rel)}
 
 
 def content_changed(changes: dict) -> bool:
@@ -129,10 +155,23 @@ def content_changed(changes: dict) -> bool:
             or any(change == "modified" for kind in ("outs", "deps") for change in changes[kind].values()))
 
 
+def changed_paths(changes: dict, kind: str, modified_only: bool = False) -> dict[str, str]:
+    """A stage's changed `kind` ("outs" or "deps") paths as {path: change}, a modified directory replaced by the
+    files that changed inside it where they are known. modified_only: leave out missing and new paths (whatever
+    changed inside a modified directory stays)."""
+    out: dict[str, str] = {}
+    for path, change in changes[kind].items():
+        if modified_only and change != "modified":
+            continue
+        inner = {p: c for p, c in changes["files"].items() if p.startswith(path + "/")}
+        out.update(inner if change == "modified" and inner else {path: change})
+    return out
+
+
 def describe(changes: dict) -> list[str]:
     """A stage's changes as short reasons: 'results/x deleted', 'params train.lr modified', 'changed command'."""
-    return ([f"{path} {change}" for path, change in changes["outs"].items()]
-            + [f"{path} {change}" for path, change in changes["deps"].items()]
+    return ([f"{path} {change}" for path, change in changed_paths(changes, "outs").items()]
+            + [f"{path} {change}" for path, change in changed_paths(changes, "deps").items()]
             + [f"params {key} {change}" for key, change in changes["params"].items()] + changes["other"])
 
 

@@ -163,7 +163,7 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
     Before DVC's own (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db
     then answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the GIL;
     dvc-data hashes in threads only inside a directory of several large files, and a model directory has one)."""
-    from integrity import dvc_session, read_lockfile, stage_changes
+    from integrity import changed_paths, dvc_session, read_lockfile, stage_changes
 
     ran = list(dict.fromkeys(ran or []))
     recorded = read_lockfile(root)            # an empty or unparsable dvc.lock is refused, not overwritten blindly
@@ -183,7 +183,7 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
                                     f"nothing recorded (rerun it: snakemake --forcerun {stage.name})")
         others = {name: rec for name, rec in recorded.items() if name in by_name and name not in ran}
         _warm_hashes([*built, *(by_name[name] for name in others)], jobs)
-        changed = {name: [path for path, change in ch["outs"].items() if change == "modified"]
+        changed = {name: list(changed_paths(ch, "outs", modified_only=True))
                    for name, ch in stage_changes(repo, others).items()}
         changed = {name: paths for name, paths in changed.items() if paths}
         # What `dvc commit --force` does per stage (dvc/repo/commit.py): save = hash deps and outs,

@@ -1,0 +1,64 @@
+"""Helpers of the tests that run the real pipeline: a fresh-clone copy of this checkout in a temporary git
+repository, and a command runner that shows the output's tail when a command fails."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+
+from conftest import REPO_ROOT
+
+# Where libraries keep first-run caches (matplotlib's font list, HF, Triton, DVC's site cache): dropped when a
+# command runs with its own `home`, so HOME decides them all. The e2e story runs with an empty HOME, as a stranger's
+# first run does: a stage whose tracked output depends on such a cache (matplotlib once logged "generated new
+# fontManager" into logs/report.log) fails the golden check, and a warm rerun must then change nothing.
+CACHE_VARS = ("MPLCONFIGDIR", "XDG_CACHE_HOME", "XDG_CONFIG_HOME", "HF_HOME", "HF_HUB_CACHE", "TRITON_CACHE_DIR",
+              "TORCHINDUCTOR_CACHE_DIR", "TORCH_HOME")
+
+
+def sh(*cmd: str, cwd: Path, home: Path | None = None) -> str:
+    """Run `cmd` in `cwd` (as a user would: no PREFPIPE_INSIDE_DVC), return stdout + stderr; a failure raises
+    with the output's tail. `home`: an own HOME, with the cache variables above unset."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_INSIDE_DVC")}
+    if home is not None:
+        home.mkdir(parents=True, exist_ok=True)
+        env = {k: v for k, v in env.items() if k not in CACHE_VARS} | {"HOME": str(home)}
+    r = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
+    if r.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stdout[-4000:]}\n{r.stderr[-6000:]}")
+    return r.stdout + r.stderr
+
+
+def copy_checkout(dst: Path) -> Path:
+    """The files a fresh clone has (tracked + untracked-but-not-ignored), in a new git repository."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+                            cwd=REPO_ROOT, capture_output=True, check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        src = REPO_ROOT / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    sh("git", "init", "-q", cwd=dst)
+    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "add", "-A", cwd=dst)
+    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "-qm", "clone", cwd=dst)
+    return dst
+
+
+def commit(repo: Path, msg: str) -> None:
+    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "add", "-A", cwd=repo)
+    # --allow-empty: a run that reproduces the committed record changes no tracked file (the golden check).
+    sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "--allow-empty", "-qm", msg, cwd=repo)
+
+
+def dvc_changed_stages(repo: Path) -> set[str]:
+    status = json.loads(sh("dvc", "status", "--json", cwd=repo).strip().splitlines()[-1] or "{}")
+    return {name.split(":")[-1] for name in status}
+
+
+def lock_outs(text: str) -> dict[str, str]:
+    doc = yaml.safe_load(text)
+    return {f"{name}:{o['path']}": o.get("md5") for name, st in doc["stages"].items() for o in st.get("outs", [])}
