@@ -4,9 +4,9 @@
 #   snakemake --cores 2            # run everything on the embedded default
 #   dvc repro                      # the same DAG, hash-tracked in dvc.lock
 import os
+import sys
 
-import yaml
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -14,16 +14,15 @@ min_version("9.0")
 configfile: "params.yaml"
 
 
-validate(config, "workflow/schemas/params.schema.yaml")
+# Pre-flight, before any rule exists (workflow/preflight.py): params.yaml read strictly and checked by the
+# check every stage runs (stages/lib/params.py: a key written twice, a non-finite number, the schema; and
+# train.gpus against this machine's GPUs when the jobs run here), config equal to params.yaml (DVC reads
+# only that), every data source naming data files. A failure is one `Snakefile: refused:` line, exit 1.
+if os.path.join(workflow.basedir, "workflow") not in sys.path:
+    sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
+from preflight import dag_preflight
 
-# DVC reads params.yaml and nothing else: a --config/--configfile override would make the two tools
-# disagree about what ran, so refuse it instead of recording a run nobody can reproduce.
-with open("params.yaml") as _f:
-    if yaml.safe_load(_f) != config:
-        raise ValueError(
-            "config differs from params.yaml: edit params.yaml instead of passing --config/--configfile "
-            "(DVC tracks params.yaml only)"
-        )
+dag_preflight(workflow, config)
 
 
 include: "workflow/rules/common.smk"
