@@ -33,11 +33,12 @@ def jobs_run_here(workflow) -> bool:
     """Whether this Snakemake invocation runs its jobs on this machine: the local executor (a real run, a dry
     run or --touch of one), not `--executor slurm` (the DAG-building host need not have the GPUs its jobs ask
     for), not a job's own Snakemake on a cluster node (exec mode REMOTE), not an API user that only builds the
-    DAG (sync_dvc.py). Snakemake tells a Snakefile nothing about its executor while parsing it
-    (workflow.executor_plugin is set only when jobs are scheduled, and then to the dry-run pseudo-executor for
-    --dry-run); the caller that parses it has already resolved the intended one (snakemake's CLI, cli.py
-    args_to_api, from --executor or the profile; the API's execute_workflow), so it is read from that frame's
-    `executor_plugin`. No such frame (an API user that never executes): False."""
+    DAG (sync_dvc.py). Snakemake tells a Snakefile nothing about its executor while parsing it: the API parses
+    it when the DAG is asked for, before any executor is chosen, and workflow.executor_plugin is set only when
+    jobs are scheduled (to the dry-run pseudo-executor for --dry-run). Snakemake's CLI has resolved the intended
+    executor (from --executor or the profile) before it parses (cli.py args_to_api, its local
+    `executor_plugin`), so it is read from that frame. No such frame (an API user): False, the check is left
+    to the engine, which refuses GPUs it is not given."""
     from snakemake_interface_executor_plugins.settings import ExecMode
 
     if workflow.exec_mode != ExecMode.DEFAULT:
