@@ -4,11 +4,10 @@
 #   snakemake --cores 2            # run everything on the embedded default
 #   dvc repro                      # the same DAG, hash-tracked in dvc.lock
 import os
+import sys
 from pathlib import Path
 
-import yaml
-from snakemake.exceptions import WorkflowError
-from snakemake.utils import min_version, validate
+from snakemake.utils import min_version
 
 min_version("9.0")
 
@@ -16,26 +15,27 @@ min_version("9.0")
 configfile: "params.yaml"
 
 
-validate(config, "workflow/schemas/params.schema.yaml")
+# Pre-flight, before any rule exists (workflow/preflight.py): params.yaml read strictly and checked by the
+# check every stage runs (stages/lib/params.py: a key written twice, a non-finite number, the schema; and
+# train.gpus against this machine's GPUs when the jobs run here), config equal to params.yaml (DVC reads
+# only that), every data source naming data files. A failure is one `Snakefile: refused:` line, exit 1.
+if os.path.join(workflow.basedir, "workflow") not in sys.path:
+    sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
+from preflight import dag_preflight
 
-# DVC reads params.yaml and nothing else: a --config/--configfile override would make the two tools
-# disagree about what ran, so refuse it instead of recording a run nobody can reproduce.
-with open("params.yaml") as _f:
-    if yaml.safe_load(_f) != config:
-        raise ValueError(
-            "config differs from params.yaml: edit params.yaml instead of passing --config/--configfile "
-            "(DVC tracks params.yaml only)"
-        )
+dag_preflight(workflow, config)
 
 
 include: "workflow/rules/common.smk"
 
 
 # Hashes decide what is up to date (workflow/integrity.py): before the DAG is built, every stage dvc.lock records is
-# compared with the workspace in one DVC session, and a stage with a changed or missing output or a changed dep
-# reruns (and everything downstream), saying why; DVC's repository lock is held for the run, so `dvc repro`
-# cannot run beside it. Only in Snakemake's main process of a user's run (not on cluster nodes, not inside DVC).
+# compared with the workspace in one DVC session, and a stage whose recorded bytes, params or command changed reruns
+# (Snakemake's --forcerun: this command starts itself again with it), with everything downstream, saying why; DVC's
+# repository lock is held for the run, so `dvc repro` cannot run beside it. Only in Snakemake's main process of a
+# user's run (not on cluster nodes, not inside DVC, not for sync_dvc.py's DAG read).
 from integrity import IntegrityError, RunGuard, guards_this_process
+from preflight import refuse
 
 RUN_GUARD = None
 if guards_this_process(workflow):
@@ -44,7 +44,9 @@ if guards_this_process(workflow):
         if RUN_GUARD.unforced:
             RUN_GUARD.rerun_forcing()       # this command again, with --forcerun: replaces this process
     except IntegrityError as _e:
-        raise WorkflowError(f"integrity: refused: {_e}") from None
+        refuse(f"integrity: {_e}")
+
+
 include: "workflow/rules/environment.smk"
 include: "workflow/rules/data.smk"
 include: "workflow/rules/reference.smk"
@@ -61,16 +63,20 @@ rule all:
 
 onsuccess:
     # Record in dvc.lock what this run built, and only that, so `dvc status` agrees with it (sync_dvc.py refuses to
-    # record an output of another stage that changed on disk). Not for `dvc repro`'s own calls (DVC records those)
-    # nor for --touch (nothing was built). A run must never end with a declared output missing.
+    # record an output of another stage that changed on disk, printing why). Not for `dvc repro`'s own calls (DVC
+    # records those) nor for --touch (nothing was built). A run must never end with a declared output missing.
     if RUN_GUARD is not None:
         RUN_GUARD.release()
         _missing = sorted({str(f) for job in workflow.dag.jobs for f in job.output if not os.path.exists(f)})
         if _missing:
-            raise WorkflowError(f"integrity: declared outputs missing after the run: {', '.join(_missing)}")
+            refuse(f"integrity: declared outputs missing after the run: {', '.join(_missing)}")
         if not workflow.touch:
+            import subprocess
+
             _ran = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"})
-            shell("python workflow/sync_dvc.py --commit-lock --ran " + " ".join(_ran))
+            _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran])
+            if _done.returncode != 0:
+                raise SystemExit(_done.returncode)
 
 
 onerror:

@@ -12,8 +12,11 @@ A source's `path` is a file, a glob (`*`, `?`, `[...]`; `**` spans directories) 
 file under it with a suffix below, recursively, skipping hidden entries such as `hf download`'s
 `.cache/`), so shards as `hf download --repo-type dataset` leaves them (`data/train-*.parquet`,
 `*.jsonl.gz`) are one source. Its files are read in sorted path order (`source_paths`, which the
-Snakemake rule and so dvc.yaml use for the dependencies too); a glob or directory that names no such
-file fails the stage naming the pattern. Each pair's provenance is the file it came from (`src_file`)
+Snakemake rule and so dvc.yaml use for the dependencies too). A source must name data: a path that is
+no file, a glob or directory that names no such file (`resolve_source_files`: also checked by the
+Snakefile at DAG build, so dvc.yaml never loses the stage), or a source that yields no pair at all (every
+row rejected, or no row: `check_source_yield`, before anything is written) fails the stage naming the
+source. Each pair's provenance is the file it came from (`src_file`)
 and its row in that file (`src_row`). `name` defaults to the file name without its data suffix (for a
 glob or directory: the last path component without wildcards), numbered `_2`, `_3`, ... where that
 name is already taken; names given explicitly must be unique.
@@ -508,13 +511,15 @@ _GLOB_MAGIC = re.compile(r"[*?[]")
 def source_paths(path: str, base_dir: str | Path = ".") -> list[str]:
     """The files a source's `path` names, in the order they are read (see the module docstring).
 
-    A plain file path is returned as is (a missing one fails when it is read). Returned paths have
-    the form of `path` (relative to base_dir when it is relative), with "/" separators. The one
-    expansion of globs and directories: the Snakemake rule lists these files as its inputs, which
-    dvc.yaml's deps are generated from (workflow/rules/data.smk, workflow/sync_dvc.py).
+    A plain file path is returned as is; SourceError when it is no file (a typo would otherwise leave the rule
+    an input it cannot have, and Snakemake would silently keep the old outputs instead), or not of a data file
+    type. Returned paths have the form of `path` (relative to base_dir when it is relative), with "/"
+    separators. The one expansion of globs and directories: the Snakemake rule lists these files as its inputs,
+    which dvc.yaml's deps are generated from (workflow/rules/data.smk, workflow/sync_dvc.py).
     """
     root = Path(base_dir)
     absolute = Path(path).is_absolute()
+    where = "" if absolute else f" (relative to {root.resolve()})"
     if _GLOB_MAGIC.search(path):
         matched = (glob.glob(path, recursive=True) if absolute
                    else glob.glob(path, root_dir=root, recursive=True))
@@ -523,7 +528,6 @@ def source_paths(path: str, base_dir: str | Path = ".") -> list[str]:
         files = sorted(m for m in matched if _is_data_file(m))
         if not files:
             others = f"; it matches {len(matched)} file(s) of other types, e.g. {sorted(matched)[0]}" if matched else ""
-            where = "" if absolute else f" (relative to {root.resolve()})"
             raise SourceError(f"{path}: the glob matches no .jsonl, .jsonl.gz, .json, .json.gz or .parquet "
                               f"file{where}{others}")
         return files
@@ -535,9 +539,28 @@ def source_paths(path: str, base_dir: str | Path = ".") -> list[str]:
                        and (full / rel).is_file() and _is_data_file(rel.name))
         if not files:
             raise SourceError(f"{path}: the directory holds no .jsonl, .jsonl.gz, .json, .json.gz or .parquet "
-                              f"file (hidden entries skipped)")
+                              f"file (hidden entries skipped){where}")
         return files
+    if not full.is_file():
+        raise SourceError(f"{path}: no such file{where}")
+    file_kind(path)
     return [path]
+
+
+def resolve_source_files(sources: list[dict], base_dir: str | Path = ".") -> list[tuple[dict, list[str]]]:
+    """Each source spec (names filled in, resolve_sources; checked, check_source_spec) with its files
+    (source_paths), in params order; a source that names no data file is a SourceError naming it:
+    `data.sources[i] (name): path: why`. What normalize reads, and what the Snakefile checks at DAG build."""
+    out = []
+    specs = resolve_sources(sources)
+    for i, spec in enumerate(specs):
+        check_source_spec(spec, i)
+    for i, spec in enumerate(specs):
+        try:
+            out.append((spec, source_paths(spec["path"], base_dir)))
+        except SourceError as e:
+            raise SourceError(f"data.sources[{i}] ({spec.get('name', '?')}): {e}") from None
+    return out
 
 
 def default_source_name(path: str) -> str:
@@ -686,25 +709,25 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".", out: Norm
     """Read and normalize every source in order (its files in source_paths order); duplicates keep the
     first (source, file, row). `out` (default: lists in memory) receives pairs and rejections through
     `.pairs.append` / `.rejections.append`; normalize_to_files passes sinks that write as they go."""
-    sources = resolve_sources(sources)
-    for i, spec in enumerate(sources):
-        check_source_spec(spec, i)
     out = Normalized() if out is None else out
     first_seen = _FirstSeen()
     per_source = []
-    for spec in sources:
+    # Every source's files before any is read: a typo in the last source stops the stage at once.
+    for index, (spec, files) in enumerate(resolve_source_files(sources, base_dir)):
         name, pattern, fmt = spec["name"], spec["path"], spec["format"]
         stat = {"name": name, "path": pattern, "format": fmt, "rows_in": 0, "blank_lines": 0, "pairs_out": 0,
                 "rejected": {r: 0 for r in REASONS}, "parsed_as": {}, "files": []}
-        for path in source_paths(pattern, base_dir):
+        first_rejection: list[str] = []
+        for path in files:
             rows = iter_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
             file_stat = {"path": path, "rows": 0}
             stat["files"].append(file_stat)
-            _normalize_file(rows, spec, path, stat, file_stat, out, first_seen)
+            _normalize_file(rows, spec, path, stat, file_stat, out, first_seen, first_rejection)
         stat["rejected_total"] = sum(stat["rejected"].values())
         if stat["rows_in"] != stat["pairs_out"] + stat["rejected_total"]:  # nothing may be lost
             raise AssertionError(f"{pattern}: rows_in {stat['rows_in']} != pairs_out {stat['pairs_out']} "
                                  f"+ rejected {stat['rejected_total']}")
+        check_source_yield(stat, index, first_rejection[0] if first_rejection else None)
         per_source.append(stat)
 
     if isinstance(out.pairs, list):  # in memory; a streaming sink sorts when it writes (_PairSpill)
@@ -721,6 +744,24 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".", out: Norm
             totals["rejected"][r] += n
     out.stats = {"sources": per_source, "totals": totals}
     return out
+
+
+def check_source_yield(stat: dict, index: int, first_rejection: str | None = None) -> None:
+    """A source that gives no pair (an empty file, every row rejected, every row a duplicate of an earlier
+    source's) is refused, naming it and its rejections by reason: a run that silently trains without the data
+    a source names would claim data it never used. Raised before anything is written (normalize_to_files
+    writes atomically), so no rejections.parquet of an incomplete run is left beside the old pairs; the rows
+    are still where the source is, and the message carries the first rejection's detail."""
+    if stat["pairs_out"]:
+        return
+    reasons = ", ".join(f"{r} {n}" for r, n in stat["rejected"].items() if n)
+    if stat["rows_in"] == 0:
+        what = f"its {len(stat['files'])} file(s) hold no row" + (f" ({stat['blank_lines']} blank lines)"
+                                                                  if stat["blank_lines"] else "")
+    else:
+        what = f"all {stat['rows_in']} rows were rejected ({reasons})" + (
+            f"; the first: {first_rejection}" if first_rejection else "")
+    raise SourceError(f"data.sources[{index}] ({stat['name']}): {stat['path']} yields 0 pairs: {what}")
 
 
 class _FirstSeen:
@@ -747,14 +788,18 @@ class _FirstSeen:
 
 
 def _normalize_file(rows: Iterable[SourceRow], spec: dict, path: str, stat: dict, file_stat: dict,
-                    out: Normalized, first_seen: _FirstSeen) -> None:
-    """One file of a source: pairs and rejections appended to `out`, counts to the source's `stat`."""
+                    out: Normalized, first_seen: _FirstSeen, first_rejection: list[str]) -> None:
+    """One file of a source: pairs and rejections appended to `out`, counts to the source's `stat`, the
+    source's first rejection (reason: detail) to `first_rejection`."""
     name, fmt = spec["name"], spec["format"]
 
     def reject(row: SourceRow, err: RowRejected) -> None:
         stat["rejected"][err.reason] += 1
+        detail = f"{path} row {row.src_row}: {err.detail}"
+        if not first_rejection:
+            first_rejection.append(f"{err.reason}: {detail}")
         out.rejections.append({"source": name, "src_file": path, "src_row": row.src_row, "reason": err.reason,
-                               "detail": f"{path} row {row.src_row}: {err.detail}", "raw": row.raw})
+                               "detail": detail, "raw": row.raw})
 
     for row in rows:
         if row.value is _BLANK:

@@ -56,11 +56,19 @@ before/after, messages and characters dropped, and the token hash of what is sco
 its pair_id (the source pair); its token_hash is that of the truncated tokens.
 The probe must come through whole: any probe pair that would be rejected fails the stage.
 
+Cost bound (bounded_text): a text of more than n * R characters has more than n tokens, R proven from the
+tokenizer (max_chars_per_token: its longest token, times 4 under NFC; 128 for GPT-2), so a branch whose
+prompt or completion alone is over a limit by characters is not tokenized whole: `reject` and
+`truncate_completion` tokenize it up to a space past max_length * R characters (the tokens before such a cut
+are the whole text's: cuts_at_spaces), keep_end (and `reject` for a prompt) not at all. Reasons are those of
+tokenizing everything; counts not known are null (token_rejections.parquet, the `_before` counts of a
+truncation record). Without a proven R (another normalizer or model) texts are tokenized whole.
+
 Scale (run_streaming): train pairs are read in chunks (at most --chunk-pairs) and rendered + tokenized by
 up to `tokenize.workers` forked processes (0 = every core in the CPU affinity), written in input order as they
 come back; the probe is tokenized in pieces by the same pool. The pool is sized to the input (plan_pool: no
 more processes than chunks, none for a small input); the outputs are the same bytes for any worker count and
-chunk size.
+chunk size. The workers die with the stage (die_with_parent: a killed tokenize leaves none behind).
 """
 from __future__ import annotations
 
@@ -70,7 +78,7 @@ import os
 import re
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
@@ -318,12 +326,150 @@ def completion_start(offsets: list[tuple[int, int]], prompt_chars: int) -> int:
 class Branch:
     ids: list[int]
     prompt_len: int
+    # False: `ids` are the first tokens of the branch only: its text was cut before tokenizing, at a place where
+    # the tokens before the cut are the whole text's (bounded_text), so the branch has more than max_length.
+    whole: bool = True
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded cost: a text's characters bound its token count from below, so a row too long to fit is known to be
+# too long before it is tokenized (a 50 MB row took 4 minutes and 12 GB to tokenize, only to be rejected).
+# ---------------------------------------------------------------------------------------------
+
+# NFC composes at most this many characters into one: the longest canonical decomposition of any code point
+# (U+1F82 and the like; tests/test_tokenize.py recomputes it from unicodedata). len(NFD(x)) == sum of
+# len(NFD(c)) over NFC(x)'s characters <= 4 * len(NFC(x)), and NFD never shortens: len(x) <= 4 * len(NFC(x)).
+NFC_MAX_COMPOSED = 4
+# Pre-tokenizer regexes after which a cut is exact (bounded_text); GPT-2's is ByteLevel's own (use_regex).
+# Qwen2 (and the embedded reference), Llama-3:
+SPACE_CUT_SPLIT_PATTERNS = frozenset({
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+})
+# A space between two letters/digits (Python's [^\W_]: Unicode L* and N*, never whitespace in any regex engine).
+_SPACE_CUT = re.compile(r"(?<=[^\W_]) (?=[^\W_])")
+
+
+def _state(component) -> Any:
+    """A tokenizers component's own JSON (what pickling it writes), without serializing the vocabulary."""
+    return None if component is None else json.loads(component.__getstate__())
+
+
+def _nfc_factor(normalizer: Any) -> int | None:
+    """Original characters per normalized character, at most: 1 without a normalizer, NFC_MAX_COMPOSED under NFC
+    (alone or in a Sequence); None for any other normalizer (it may delete characters: no bound is proven)."""
+    if normalizer is None:
+        return 1
+    parts = normalizer.get("normalizers", []) if normalizer.get("type") == "Sequence" else [normalizer]
+    return NFC_MAX_COMPOSED if parts and all(p.get("type") == "NFC" for p in parts) else None
+
+
+def max_chars_per_token(backend) -> int | None:
+    """R such that a text of more than n * R characters has more than n tokens under `backend` (a
+    tokenizers.Tokenizer), or None when that is not provable from its parts (texts are then tokenized whole).
+
+    Proven for byte-level BPE (GPT-2, Llama-3, Qwen2): its tokens spell the UTF-8 bytes of the normalized text,
+    none dropped (every byte of the byte-level alphabet is in the vocabulary, so no byte is left without a token);
+    a vocabulary token spells at most as many bytes as it has characters (one character per byte in that
+    alphabet), an added token matches its own content; a character is at least one byte. So tokens >=
+    normalized characters / L, L the longest vocabulary entry, and normalized characters >= characters / the
+    normalizer's factor (_nfc_factor). R = L * factor: 128 for GPT-2 (its longest token is 128 bytes)."""
+    from tokenizers import models, pre_tokenizers
+
+    model = backend.model
+    if not isinstance(model, models.BPE) or model.dropout not in (None, 0.0):
+        return None
+    if '"ByteLevel"' not in json.dumps(_state(backend.pre_tokenizer)):
+        return None
+    factor = _nfc_factor(_state(backend.normalizer))
+    vocab = backend.get_vocab(with_added_tokens=True)
+    if factor is None or not all(ch in vocab for ch in pre_tokenizers.ByteLevel.alphabet()):
+        return None
+    return factor * max(len(token) for token in vocab)
+
+
+def cuts_at_spaces(backend) -> bool:
+    """Whether cutting a text just before a space that stands between two letters/digits (_SPACE_CUT) leaves
+    every token before the cut as it is in the whole text. True for GPT-2's ByteLevel regex and the Split
+    patterns of SPACE_CUT_SPLIT_PATTERNS (then ByteLevel without regex), with no normalizer or NFC: no
+    alternative of those regexes matches across such a space from the left (letter, number and punctuation runs
+    exclude whitespace; a whitespace run cannot start before it, the character before is no space; an optional
+    leading character starts a match), runs ending before it look at most at it, so the pre-tokens before it are
+    those of the whole text, and BPE encodes each pre-token alone. NFC does not compose across a space; no added
+    token holds a space, so none spans the cut."""
+    if max_chars_per_token(backend) is None:
+        return False
+    pre = _state(backend.pre_tokenizer)
+    if pre.get("type") == "ByteLevel":
+        proven = pre.get("use_regex", True)
+    else:
+        parts = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else []
+        proven = (len(parts) == 2 and parts[0].get("type") == "Split" and parts[0].get("behavior") == "Isolated"
+                  and not parts[0].get("invert") and parts[0].get("pattern", {}).get("Regex") in SPACE_CUT_SPLIT_PATTERNS
+                  and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True))
+    return bool(proven) and not any(" " in t.content for t in backend.get_added_tokens_decoder().values())
+
+
+@dataclass(frozen=True)
+class NotTokenized:
+    """A branch left untokenized: its characters alone prove it over a limit."""
+    part: str       # "prompt": the rendered prompt is over `bound` characters; "completion": the rest of the text is
+    chars: int
+    bound: int      # the most characters that part can have and be within `limit` tokens
+    limit: str      # "max_prompt_length" | "max_length"
+    tokens: int     # that limit's value
+    why_uncut: str = ""  # a completion a truncation policy would cut: why no exact cut was made
+
+    @property
+    def detail(self) -> str:
+        return (f"not tokenized: its {self.part} has {self.chars} characters, more than {self.limit} {self.tokens} "
+                f"tokens can hold ({self.bound} characters: the tokenizer's longest token is "
+                f"{self.bound // self.tokens} characters)" + (f"; {self.why_uncut}" if self.why_uncut else ""))
+
+
+def bounded_text(prompt_chars: int, text: str, limits: TokenizeLimits, chars_per_token: int | None,
+                 space_cuts: bool) -> int | NotTokenized:
+    """How much of a rendered branch (`text`, its first `prompt_chars` characters the prompt) to tokenize: all
+    of it (len(text)), a prefix, or nothing (NotTokenized). The cost of a row is bounded before tokenization:
+    what is tokenized is at most about (max_prompt_length + 2 * max_length) * chars_per_token characters.
+
+    * The prompt is over max_prompt_length * R characters (keep_end: max_length * R, so both limits are known to
+      be exceeded): its tokens exceed that limit; not tokenized (keep_end tries shorter prompts without it).
+    * The completion is over max_length * R characters: the branch is over max_length whatever the prompt.
+      keep_end keeps completions whole: not tokenized (rejected). reject / truncate_completion: the text is cut
+      at the first space between two letters/digits past max_length * R (and within another max_length * R),
+      dropping its end, the side truncation drops; the tokens before such a cut are the whole text's
+      (cuts_at_spaces), and there are more than max_length of them, so the prompt's tokens and the first
+      max_length tokens, all that is scored or counted, are exact. No such space, or no proven cut: not tokenized.
+    """
+    if chars_per_token is None:
+        return len(text)
+    keep_end = limits.truncation == "keep_end"
+    limit, tokens = ("max_length", limits.max_length) if keep_end else ("max_prompt_length", limits.max_prompt_length)
+    if prompt_chars > tokens * chars_per_token:
+        return NotTokenized("prompt", prompt_chars, tokens * chars_per_token, limit, tokens)
+    bound = limits.max_length * chars_per_token
+    completion = len(text) - prompt_chars
+    if completion <= bound:
+        return len(text)
+    over = NotTokenized("completion", completion, bound, "max_length", limits.max_length)
+    if keep_end:
+        return over
+    if not space_cuts:
+        return replace(over, why_uncut="no exact cut is proven for this tokenizer's pre-tokenizer")
+    # A cut past `bound` characters leaves more than max_length tokens before it; the prompt ends before it.
+    cut = _SPACE_CUT.search(text, bound + 1, 2 * bound + 2)
+    if cut is None:
+        return replace(over, why_uncut=f"no space between two letters/digits in its characters {bound + 1} to "
+                                       f"{2 * bound} to cut it at exactly")
+    return cut.start()
 
 
 class PairTokenizer:
     """Renders and encodes branches with one tokenizer; holds the pieces that are fixed per tokenizer."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, bound_chars: bool = True):
+        """bound_chars=False: every text is tokenized whole (the reference bounded_text's cuts are tested against)."""
         self.tokenizer = tokenizer
         template = _chat_template_text(tokenizer)
         self.uses_chat_template = template is not None
@@ -332,6 +478,8 @@ class PairTokenizer:
             raise TokenizeError("the tokenizer's chat template ignores add_generation_prompt, so the "
                                 "prompt/completion boundary cannot be placed after the assistant header")
         self.backend = _untrimmed_backend(tokenizer)
+        self.chars_per_token = max_chars_per_token(self.backend) if bound_chars else None
+        self.space_cuts = self.chars_per_token is not None and cuts_at_spaces(self.backend)
         self.eos_token = tokenizer.eos_token
         self.specials = _special_token_strings(tokenizer)
         self._special_re = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
@@ -361,19 +509,27 @@ class PairTokenizer:
             full_text += self.eos_token
         return prompt_text, full_text
 
-    def encode(self, rendered: list[tuple[str, str]]) -> list[Branch | BranchRejected]:
-        """Encode full renderings in one batch; split each at its prompt's character length."""
-        encodings = self.backend.encode_batch([full for _, full in rendered],
+    def encode(self, rendered: list[tuple[str, str]],
+               limits: TokenizeLimits | None = None) -> list[Branch | BranchRejected | NotTokenized]:
+        """Encode full renderings in one batch; split each at its prompt's character length. With `limits`, each
+        text is first bounded (bounded_text): a prefix of it, or nothing (NotTokenized) when its characters
+        already prove it over a limit."""
+        spans = [len(full) if limits is None else
+                 bounded_text(len(prompt_text), full, limits, self.chars_per_token, self.space_cuts)
+                 for prompt_text, full in rendered]
+        todo = [k for k, span in enumerate(spans) if not isinstance(span, NotTokenized)]
+        encodings = self.backend.encode_batch([rendered[k][1][:spans[k]] for k in todo],
                                               add_special_tokens=self.add_special_tokens)
-        out: list[Branch | BranchRejected] = []
-        for (prompt_text, _), enc in zip(rendered, encodings):
+        out: list[Branch | BranchRejected | NotTokenized] = list(spans)
+        for k, enc in zip(todo, encodings):
+            prompt_text, full = rendered[k]
             try:
                 start = completion_start(enc.offsets, len(prompt_text))
                 if start == len(enc.ids):
                     raise BranchRejected("empty_completion_tokens", "no token after the prompt")
-                out.append(Branch(list(enc.ids), start))
+                out[k] = Branch(list(enc.ids), start, whole=spans[k] == len(full))
             except BranchRejected as e:
-                out.append(e)
+                out[k] = e
         return out
 
 
@@ -415,7 +571,7 @@ def tokenize_pairs(pair_tokenizer: PairTokenizer, pairs: list[dict], limits: Tok
                 except BranchRejected as e:
                     failed.setdefault(i, BranchRejected(e.reason, f"{side}: {e.detail}"))
                     rendered.append(("", ""))  # placeholder keeps positions; never used
-        encoded = pair_tokenizer.encode(rendered)
+        encoded = pair_tokenizer.encode(rendered, limits)
         for i, pair in enumerate(batch):
             if i in failed:
                 result.rejections.append(_rejection(split, pair, failed[i].reason, failed[i].detail))
@@ -432,27 +588,47 @@ def tokenize_pairs(pair_tokenizer: PairTokenizer, pairs: list[dict], limits: Tok
     return result
 
 
-def _fits(branches: Iterable[Branch], limits: TokenizeLimits) -> bool:
-    return all(b.prompt_len <= limits.max_prompt_length and len(b.ids) <= limits.max_length for b in branches)
+def _fits(branches: Iterable[Branch | NotTokenized], limits: TokenizeLimits) -> bool:
+    return all(isinstance(b, Branch) and b.prompt_len <= limits.max_prompt_length and len(b.ids) <= limits.max_length
+               for b in branches)
+
+
+def _tokens(b: Branch | NotTokenized) -> int | None:
+    """The branch's token count; None when it was not tokenized whole (bounded_text)."""
+    return len(b.ids) if isinstance(b, Branch) and b.whole else None
+
+
+def _prompt_tokens(*branches: Branch | NotTokenized) -> int | None:
+    return None if any(isinstance(b, NotTokenized) for b in branches) else max(b.prompt_len for b in branches)
+
+
+def _over(b: Branch | NotTokenized, limits: TokenizeLimits) -> tuple[bool, bool]:
+    """(over max_prompt_length, over max_length) of an untruncated branch, also when it was not tokenized whole
+    (a NotTokenized prompt that reaches a truncation record is keep_end's: over max_length * R characters)."""
+    if isinstance(b, NotTokenized):
+        return b.part == "prompt", True
+    return b.prompt_len > limits.max_prompt_length, not b.whole or len(b.ids) > limits.max_length
 
 
 def _truncation_record(pair: dict, reason: str, before: tuple[Branch, Branch], after: tuple[Branch, Branch],
                        limits: TokenizeLimits, messages_dropped: int = 0, chars_dropped: int = 0) -> dict:
     (c0, r0), (c1, r1) = before, after
-    exceeded = [name for name, over in (
-        ("max_prompt_length", max(c0.prompt_len, r0.prompt_len) > limits.max_prompt_length),
-        ("max_length", max(len(c0.ids), len(r0.ids)) > limits.max_length)) if over]
+    over = [_over(c0, limits), _over(r0, limits)]
+    exceeded = [name for k, name in enumerate(("max_prompt_length", "max_length")) if any(o[k] for o in over)]
+    # Counts of what was not tokenized whole (bounded_text) are null: only its limits are known to be exceeded.
     return {"pair_id": pair["pair_id"], "reason": reason, "exceeded": exceeded,
-            "prompt_tokens_before": max(c0.prompt_len, r0.prompt_len),
+            "prompt_tokens_before": _prompt_tokens(c0, r0),
             "prompt_tokens": max(c1.prompt_len, r1.prompt_len),
-            "chosen_tokens_before": len(c0.ids), "chosen_tokens": len(c1.ids),
-            "rejected_tokens_before": len(r0.ids), "rejected_tokens": len(r1.ids),
+            "chosen_tokens_before": _tokens(c0), "chosen_tokens": len(c1.ids),
+            "rejected_tokens_before": _tokens(r0), "rejected_tokens": len(r1.ids),
             "prompt_messages_dropped": messages_dropped, "prompt_chars_dropped": chars_dropped}
 
 
-def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict,
-                    prompts: list[list[dict]]) -> list[tuple[Branch, Branch] | None]:
-    """(chosen, rejected) branches of the pair with each candidate prompt; None where one cannot be tokenized."""
+def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict, prompts: list[list[dict]],
+                    limits: TokenizeLimits | None = None) -> list[tuple[Branch, Branch] | None]:
+    """(chosen, rejected) branches of the pair with each candidate prompt; None where one cannot be tokenized.
+    With `limits`, a candidate whose characters prove it over them is not tokenized (None, as one that does not
+    fit: keep_end's callers only keep candidates that fit)."""
     rendered, ok = [], []
     for prompt in prompts:
         try:
@@ -461,7 +637,11 @@ def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict,
         except BranchRejected:
             rendered += [("", ""), ("", "")]  # placeholders keep positions; never used
             ok.append(False)
-    encoded = pair_tokenizer.encode(rendered)
+    if limits is not None:
+        # A candidate within keep_end's own bounds (max_length * R characters of prompt and of completion) is
+        # tokenized whole; one over them cannot fit, so it is not tokenized at all.
+        limits = replace(limits, truncation="keep_end")
+    encoded = pair_tokenizer.encode(rendered, limits)
     out: list[tuple[Branch, Branch] | None] = []
     for k, good in enumerate(ok):
         c, r = encoded[2 * k], encoded[2 * k + 1]
@@ -480,7 +660,7 @@ def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected
     # Turn boundaries: the prompt may start at any later user turn (user/assistant keep alternating).
     starts = [j for j in range(head + 1, len(prompt)) if prompt[j]["role"] == "user"]
     candidates = [prompt[:head] + prompt[j:] for j in starts]
-    for j, branches in zip(starts, _encode_prompts(pair_tokenizer, pair, candidates)):
+    for j, branches in zip(starts, _encode_prompts(pair_tokenizer, pair, candidates, limits)):
         if branches is not None and _fits(branches, limits):
             return (*branches, _truncation_record(pair, "prompt_turns_dropped", (chosen, rejected), branches,
                                                   limits, messages_dropped=j - head))
@@ -494,15 +674,17 @@ def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected
         if not text[cut:].strip():
             return None
         message = {**last, "content": text[cut:]}
-        [branches] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [message]])
+        [branches] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [message]], limits)
         return branches if branches is not None and _fits(branches, limits) else None
 
     # The last character alone is the least prompt this rule can keep; if even that does not fit, reject.
     smallest = max(i for i, ch in enumerate(text) if not ch.isspace()) if text.strip() else 0
     best = attempt(smallest)
     if best is None:
-        [minimal] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [{**last, "content": text[smallest:]}]])
-        completions = max(len(chosen.ids) - chosen.prompt_len, len(rejected.ids) - rejected.prompt_len)
+        [minimal] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [{**last, "content": text[smallest:]}]],
+                                    limits)
+        completions = (None if isinstance(chosen, NotTokenized) or isinstance(rejected, NotTokenized) else
+                       max(len(chosen.ids) - chosen.prompt_len, len(rejected.ids) - rejected.prompt_len))
         least_prompt = max(b.prompt_len for b in minimal) if minimal else None
         detail = (f"keep_end cannot fit the pair: the least prompt it can keep (the last turn's last character) "
                   f"is {least_prompt} tokens and the longer completion {completions} tokens, under "
@@ -531,12 +713,20 @@ def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected
                                       messages_dropped=dropped, chars_dropped=cut))
 
 
-def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Branch,
+def _apply_limits(result: SplitResult, pair: dict, chosen: Branch | NotTokenized, rejected: Branch | NotTokenized,
                   limits: TokenizeLimits, pair_tokenizer: PairTokenizer | None = None) -> dict | None:
-    prompt_tokens = max(chosen.prompt_len, rejected.prompt_len)
-    lengths = {"prompt_tokens": prompt_tokens, "chosen_tokens": len(chosen.ids),
-               "rejected_tokens": len(rejected.ids)}
-    longest = max(len(chosen.ids), len(rejected.ids))
+    prompt_tokens = _prompt_tokens(chosen, rejected)
+    lengths = {"prompt_tokens": prompt_tokens, "chosen_tokens": _tokens(chosen), "rejected_tokens": _tokens(rejected)}
+    # A branch not tokenized (bounded_text): its prompt or completion alone is over a limit, by characters. Only
+    # keep_end can still keep such a pair (its prompt over max_length * R characters: shorter prompts are tried).
+    untokenized = sorted((b for b in (chosen, rejected) if isinstance(b, NotTokenized)), key=lambda b: b.part != "prompt")
+    if untokenized and not (limits.truncation == "keep_end" and untokenized[0].part == "prompt"):
+        over = untokenized[0]
+        side = "chosen" if over is chosen else "rejected"
+        result.rejections.append(_rejection(result.split, pair, "prompt_too_long" if over.part == "prompt"
+                                            else "sequence_too_long", f"{side}: {over.detail}", **lengths))
+        return None
+    longest = None if untokenized else max(len(chosen.ids), len(rejected.ids))
     if limits.truncation == "keep_end" and not _fits((chosen, rejected), limits):
         if pair_tokenizer is None:
             raise TypeError("keep_end truncation re-renders the pair: pass the PairTokenizer")
@@ -554,10 +744,11 @@ def _apply_limits(result: SplitResult, pair: dict, chosen: Branch, rejected: Bra
         return None
     elif longest > limits.max_length:
         if limits.truncation == "reject":
+            counts = " / ".join(f"{side} {len(b.ids)}{'' if b.whole else '+ (cut before tokenizing)'}"
+                                for side, b in (("chosen", chosen), ("rejected", rejected)))
             result.rejections.append(_rejection(
                 result.split, pair, "sequence_too_long",
-                f"chosen {len(chosen.ids)} / rejected {len(rejected.ids)} tokens; max_length "
-                f"{limits.max_length}", **lengths))
+                f"{counts} tokens; max_length {limits.max_length}", **lengths))
             return None
         # Prompt <= max_prompt_length < max_length, so at least one completion token survives.
         cut = (Branch(chosen.ids[:limits.max_length], chosen.prompt_len),
@@ -856,10 +1047,29 @@ def tokenize_chunk(pair_tokenizer: PairTokenizer, batch: pa.RecordBatch, limits:
                        result.prompt_tokens_differ, row_lengths(result.rows), mismatches)
 
 
-def _worker_init() -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Have the kernel SIGKILL this process when its parent dies (Linux prctl PR_SET_PDEATHSIG): a killed
+    tokenize (kill -9, the OOM killer, a cancelled job) otherwise leaves its forked workers blocked on the pool's
+    queue for good (found alive 35 minutes later). The signal follows the parent *thread* that forked: the fork
+    pool starts all its workers at once from the thread that first submits (the stage's main thread), and never
+    replaces one. If the parent is already gone (it died between fork and here), exit now: no signal would come."""
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _worker_init(parent_pid: int) -> None:
     # The pool already uses every core it is given: the Rust tokenizer's own thread pool inside each
     # worker would only oversubscribe them.
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    if sys.platform == "linux":
+        die_with_parent(parent_pid)
 
 
 def _worker_chunk(batch: pa.RecordBatch, limits: TokenizeLimits, split: str) -> ChunkResult:
@@ -896,7 +1106,8 @@ def _fork_pool(pair_tokenizer: PairTokenizer, processes: int):
     _WORKER["pair_tokenizer"] = pair_tokenizer
     # fork: the workers inherit the loaded tokenizer instead of importing transformers again. (A fork pool starts
     # all its workers at once, so plan_pool never asks for more than there are chunks.)
-    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init)
+    pool = ProcessPoolExecutor(processes, mp_context=multiprocessing.get_context("fork"), initializer=_worker_init,
+                               initargs=(os.getpid(),))
     try:
         yield pool
     except BaseException:

@@ -5,6 +5,7 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -285,7 +286,8 @@ def test_jsonl_rows_bad_json_blank_lines_and_provenance(tmp_path):
 def test_raw_is_the_untruncated_original_line(tmp_path):
     long = {"prompt": "Q" * 5000, "chosen": "same", "rejected": "same", "note": "é"}
     line = json.dumps(long, ensure_ascii=False)
-    path = write_jsonl(tmp_path / "d.jsonl", [line])
+    # one good row too: a source that yields no pair is refused (test_a_source_yielding_no_pair_is_refused)
+    path = write_jsonl(tmp_path / "d.jsonl", [line, {"prompt": "Q", "chosen": "a", "rejected": "b"}])
     res = normalize_sources([{"name": "s", "path": str(path), "format": "trl"}])
     assert res.rejections[0]["raw"] == line
 
@@ -294,13 +296,14 @@ def test_duplicates_across_sources_keep_the_first_source(tmp_path):
     row = {"prompt": "Q", "chosen": "a", "rejected": "b"}
     first = write_jsonl(tmp_path / "one.jsonl", [row])
     conv = {"prompt": [U("Q")], "chosen": [A("a")], "rejected": [A("b")]}  # same content, other spelling
-    second = write_jsonl(tmp_path / "two.jsonl", [{"x": 1}, conv])
+    own = {"prompt": "Q2", "chosen": "c", "rejected": "d"}  # a source that yields no pair is refused
+    second = write_jsonl(tmp_path / "two.jsonl", [{"x": 1}, conv, own])
     res = normalize_sources([{"name": "one", "path": str(first), "format": "trl"},
                              {"name": "two", "path": str(second), "format": "trl"}])
-    assert [(p["source"], p["src_row"]) for p in res.pairs] == [("one", 0)]
+    assert sorted((p["source"], p["src_row"]) for p in res.pairs) == [("one", 0), ("two", 2)]
     assert [(r["source"], r["src_row"], r["reason"]) for r in res.rejections] == [("two", 0, "schema"),
                                                                                    ("two", 1, "duplicate")]
-    assert res.stats["totals"]["rows_in"] == 3 and res.stats["totals"]["rejected"]["duplicate"] == 1
+    assert res.stats["totals"]["rows_in"] == 4 and res.stats["totals"]["rejected"]["duplicate"] == 1
 
 
 def test_a_pair_with_chosen_and_rejected_swapped_contradicts_the_earlier_one(tmp_path):
@@ -503,6 +506,50 @@ def test_cli_fails_on_missing_source_and_writes_nothing(tmp_path, monkeypatch):
         main(cli_args("out"))
     assert not (proj / "out" / "pairs.parquet").exists()
     assert not (proj / "out" / "normalize_stats.json").exists()
+
+
+@pytest.mark.parametrize("rows, message", [
+    (["{oops", {"prompt": "Q", "chosen": "a", "rejected": "a"}, None],
+     r"data.sources\[4\] \(bad\): data/bad.jsonl yields 0 pairs: all 3 rows were rejected \(json 1, schema 1, "
+     r"identical_pair 1\); the first: json: data/bad.jsonl row 0: invalid JSON"),
+    (["", "   "], r"data.sources\[4\] \(bad\): data/bad.jsonl yields 0 pairs: its 1 file\(s\) hold no row "
+                   r"\(2 blank lines\)"),
+    ([{"prompt": "Q0?", "chosen": " yes0", "rejected": " no0"}],   # all duplicates of an earlier source
+     r"yields 0 pairs: all 1 rows were rejected \(duplicate 1\)"),
+])
+def test_a_source_yielding_no_pair_is_refused_and_nothing_is_written(tmp_path, monkeypatch, capsys, rows, message):
+    """A source that gives no pair stops normalize with one line naming it and its rejections by reason, before
+    any output is written: rejections.parquet of a refused run would stand beside no pairs.parquet (or an old
+    one) as if complete. Before: logged at INFO, exit 0, a run that claims data it never used."""
+    proj = make_project(tmp_path)
+    (proj / "data" / "bad.jsonl").write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n"
+                                                     for r in rows))
+    params = yaml.safe_load((proj / "params.yaml").read_text())
+    params["data"]["sources"].append({"name": "bad", "path": "data/bad.jsonl", "format": "trl"})
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(proj)
+    with pytest.raises(SystemExit) as e:
+        main(cli_args("out"))
+    assert e.value.code == 1
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "normalize: refused:" in x]
+    assert re.search(message, line), line
+    assert not (proj / "out").exists() or not any(p.suffix in (".parquet", ".json") for p in (proj / "out").iterdir())
+
+
+def test_a_missing_source_is_refused_before_any_source_is_read(tmp_path, monkeypatch, capsys):
+    """The last source's typo is found before the first source is read, named with its index, name and what
+    its path was resolved against."""
+    proj = make_project(tmp_path)
+    params = yaml.safe_load((proj / "params.yaml").read_text())
+    params["data"]["sources"].append({"path": "data/typo.jsonl", "format": "trl"})
+    (proj / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    monkeypatch.chdir(proj)
+    with pytest.raises(SystemExit):
+        main(cli_args("out"))
+    [line] = [x for x in capsys.readouterr().err.splitlines() if "normalize: refused:" in x]
+    assert line.endswith(f"normalize: refused: data.sources[4] (typo): data/typo.jsonl: no such file "
+                         f"(relative to {proj.resolve()})"), line
+    assert "source trl_src" not in (proj / "out" / "normalize.log").read_text()  # nothing was read
 
 
 # ----------------------------------------------------------------------------------------------
@@ -728,7 +775,8 @@ def test_streaming_normalize_is_byte_identical_to_in_memory(hh_rlhf_path, tmp_pa
     monkeypatch.setattr(nz, "SINK_ROWS", 64)
     dup = tmp_path / "dup.jsonl"  # duplicates and bad rows: rejections span pieces too
     lines = gzip.open(hh_rlhf_path, "rt").read().splitlines()[:300]
-    dup.write_text("\n".join(lines + ["not json", "{}"]) + "\n")
+    own = json.dumps({"prompt": "own", "chosen": "a", "rejected": "b"})  # a source must yield a pair
+    dup.write_text("\n".join(lines + ["not json", "{}", own]) + "\n")
     sources = [{"name": "hh", "path": str(hh_rlhf_path), "format": "hh"}, {"name": "dup", "path": str(dup),
                                                                             "format": "auto"}]
     ref = normalize_sources(sources)

@@ -784,14 +784,9 @@ def test_streaming_refuses_an_incomplete_probe_tokenized_by_the_pool(gpt2_tokeni
     assert not out.exists() or not any(out.iterdir())
 
 
-def test_stage_process_never_imports_torch_and_writes_the_same_bytes(gpt2_tokenizer_dir, split_pairs, tmp_path):
-    """`python -m stages.tokenize` loads the tokenizer through transformers without torch (tokenizers_only_process):
-    -X importtime lists every module the process imported, and torch is none of them; its outputs are the
-    in-process stage's bytes (main() inside another program keeps torch available)."""
-    import subprocess
-    import sys
-
-    import yaml
+def pinned_gpt2_identity(gpt2_tokenizer_dir: Path, tmp_path: Path) -> Path:
+    """ref_identity.json of the real GPT-2 tokenizer beside a tiny random GPT-2, pinned as a user's local
+    reference is (tokenize reads the tokenizer through the verified identity)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from stages import verify_ref
@@ -802,7 +797,20 @@ def test_stage_process_never_imports_torch_and_writes_the_same_bytes(gpt2_tokeni
     revision = verify_ref.pin(ref_dir, "test/gpt2")
     identity = tmp_path / "ref_identity.json"
     write_json(identity, verify_ref.verify_reference({"source": "local", "repo_id": "test/gpt2", "revision": revision,
-                                          "local_dir": str(ref_dir)}))
+                                                      "local_dir": str(ref_dir)}))
+    return identity
+
+
+def test_stage_process_never_imports_torch_and_writes_the_same_bytes(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    """`python -m stages.tokenize` loads the tokenizer through transformers without torch (tokenizers_only_process):
+    -X importtime lists every module the process imported, and torch is none of them; its outputs are the
+    in-process stage's bytes (main() inside another program keeps torch available)."""
+    import subprocess
+    import sys
+
+    import yaml
+
+    identity = pinned_gpt2_identity(gpt2_tokenizer_dir, tmp_path)
     train, probe = split_pairs
     inputs = write_probe_inputs(tmp_path / "in", train, probe)
     limits = TokenizeLimits(max_length=256, max_prompt_length=200, truncation="keep_end")
@@ -825,3 +833,231 @@ def test_stage_process_never_imports_torch_and_writes_the_same_bytes(gpt2_tokeni
     assert not [m for m in imported if m == "torch" or m.startswith("torch.")]
     for key, path in ref.items():
         assert (out / Path(path).name).read_bytes() == Path(path).read_bytes(), key
+
+
+# ---------------------------------------------------------------------------------------------
+# Bounded cost (issue 26 item 7): characters prove a text over a limit before it is tokenized
+# ---------------------------------------------------------------------------------------------
+
+def test_nfc_composes_at_most_nfc_max_composed_characters_into_one():
+    import unicodedata
+
+    from stages.tokenize import NFC_MAX_COMPOSED
+
+    longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000) if not 0xD800 <= c < 0xE000)
+    assert longest == NFC_MAX_COMPOSED
+
+
+@pytest.mark.parametrize("tokenizer, ratio", [("gpt2", 128), ("embedded", 4 * 15)])
+def test_characters_per_token_bound_holds_on_adversarial_and_real_text(request, hh_pairs, tokenizer, ratio):
+    """R from the vocabulary (GPT-2's longest token is 128 bytes; the embedded tokenizer's 15 characters, under NFC)
+    and no text of more than n * R characters has n tokens or fewer: the longest tokens repeated, decomposed
+    accents NFC composes, real HH text. (A bound that failed would reject pairs that fit.)"""
+    from stages.tokenize import max_chars_per_token
+
+    backend = PairTokenizer(request.getfixturevalue(tokenizer)).backend
+    assert max_chars_per_token(backend) == ratio
+    vocab = backend.get_vocab()
+    longest = sorted(vocab, key=len)[-20:]
+    texts = [backend.decode([vocab[t]] * 50) for t in longest]
+    texts += ["e\u0301" * 5000, "\u1100\u1161\u11a8" * 3000, "\u03b1\u0313\u0300\u0345" * 3000]
+    texts += [m["content"] for p in hh_pairs[:200] for m in p["prompt"] + p["chosen"]]
+    for text in texts:
+        n = len(backend.encode(text, add_special_tokens=False).ids)
+        assert len(text) <= n * ratio, (text[:40], n)
+
+
+GUARD_LIMITS = {"max_length": 64, "max_prompt_length": 48}
+
+
+def _long(text: str, chars: int) -> str:
+    """`text` repeated past `chars` characters: real words, so spaces between letters to cut at."""
+    return " ".join([text] * (chars // max(1, len(text)) + 2))
+
+
+def _short_prompts(hh_pairs: list[dict]) -> list[dict]:
+    """Real pairs whose one-turn prompt fits GUARD_LIMITS (so what decides is the long text added to them)."""
+    return [p for p in hh_pairs if len(p["prompt"]) == 1 and len(p["prompt"][0]["content"]) < 120]
+
+
+def _strip_before_counts(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.endswith("_tokens_before") and k != "prompt_tokens_before"}
+
+
+def test_an_over_long_row_is_rejected_by_its_characters_without_tokenizing_it(gpt2, hh_pairs):
+    """reject: a completion of 300,000 characters (over 64 tokens x 128 characters) is sequence_too_long, its
+    token count null (only its first tokens were made: the prompt's count is exact); a prompt over 48 x 128
+    characters is prompt_too_long without any token. Same reasons as tokenizing everything. Before: every row
+    was tokenized whole (a 50 MB row: 4 minutes, 12.4 GB)."""
+    limits = TokenizeLimits(truncation="reject", **GUARD_LIMITS)
+    base = _short_prompts(hh_pairs)[0]
+    long_completion = as_pair({"prompt": base["prompt"], "chosen": [A(_long(base["chosen"][0]["content"], 300_000))],
+                               "rejected": base["rejected"]}, 1)
+    long_prompt = as_pair({"prompt": [U(_long(base["prompt"][0]["content"], 10_000))],
+                           "chosen": base["chosen"], "rejected": base["rejected"]}, 2)
+    bounded = tokenize_pairs(PairTokenizer(gpt2), [long_completion, long_prompt], limits, "train")
+    whole = tokenize_pairs(PairTokenizer(gpt2, bound_chars=False), [long_completion, long_prompt], limits, "train")
+    assert [r["reason"] for r in bounded.rejections] == [r["reason"] for r in whole.rejections] == [
+        "sequence_too_long", "prompt_too_long"]
+    by_chars, prompt_over = bounded.rejections
+    assert by_chars["chosen_tokens"] is None and by_chars["rejected_tokens"] == whole.rejections[0]["rejected_tokens"]
+    assert by_chars["prompt_tokens"] == whole.rejections[0]["prompt_tokens"]
+    assert re.match(r"chosen \d+\+ \(cut before tokenizing\) / rejected \d+ tokens; max_length 64$", by_chars["detail"])
+    assert prompt_over["prompt_tokens"] is None and "not tokenized: its prompt has" in prompt_over["detail"]
+    assert "more than max_prompt_length 48 tokens can hold (6144 characters" in prompt_over["detail"]
+
+
+def test_truncate_completion_cuts_the_text_first_and_keeps_the_same_tokens(gpt2, hh_pairs):
+    """truncate_completion: completions over 64 x 128 characters are cut at a space past that bound before
+    tokenizing; the kept tokens are those of the whole text (the real GPT-2 tokenizer on the whole rendering),
+    the records differ only in the untokenized branch's count (null)."""
+    limits = TokenizeLimits(truncation="truncate_completion", **GUARD_LIMITS)
+    pairs = [as_pair({"prompt": p["prompt"], "chosen": [A(_long(p["chosen"][0]["content"], 20_000))],
+                      "rejected": [A(_long(p["rejected"][0]["content"], 9_000 + 1000 * k))]}, k)
+             for k, p in enumerate(_short_prompts(hh_pairs)[:12])]
+    bounded = tokenize_pairs(PairTokenizer(gpt2), pairs, limits, "train")
+    whole = tokenize_pairs(PairTokenizer(gpt2, bound_chars=False), pairs, limits, "train")
+    assert len(bounded.rows) == len(pairs) == 12 and bounded.rows == whole.rows
+    for pair, row in zip(pairs, bounded.rows):
+        want, prompt_text = expected_branch(gpt2, pair["prompt"], pair["chosen"])
+        assert row["chosen_ids"] == want[:limits.max_length]
+    for cut, ref in zip(bounded.truncations, whole.truncations):
+        assert cut["chosen_tokens_before"] is None and ref["chosen_tokens_before"] > limits.max_length
+        assert _strip_before_counts(cut) == _strip_before_counts(ref)
+
+
+def test_keep_end_never_tokenizes_a_prompt_it_cannot_keep_and_keeps_the_same_tokens(gpt2, hh_pairs):
+    """keep_end: a prompt over 64 x 128 characters (a huge last turn, or a huge older turn) is not tokenized,
+    nor is any shorter candidate over the bound; the search makes the same choices, so the kept tokens equal
+    those of tokenizing every candidate whole. A completion over the bound cannot fit: sequence_too_long."""
+    limits = TokenizeLimits(truncation="keep_end", **GUARD_LIMITS)
+    pairs = []
+    for k, p in enumerate(hh_pairs[:10]):
+        text = p["prompt"][-1]["content"]
+        pairs.append(as_pair({"prompt": p["prompt"][:-1] + [U(_long(text, 12_000))], "chosen": p["chosen"],
+                              "rejected": p["rejected"]}, 2 * k))
+        pairs.append(as_pair({"prompt": [U(_long(text, 12_000)), A("Sure."), U("Shorter?")], "chosen": p["chosen"],
+                              "rejected": p["rejected"]}, 2 * k + 1))
+    base = _short_prompts(hh_pairs)[0]
+    pairs.append(as_pair({"prompt": base["prompt"], "chosen": [A(_long("a b", 9_000))],
+                          "rejected": base["rejected"]}, 99))
+    bounded = tokenize_pairs(PairTokenizer(gpt2), pairs, limits, "train")
+    whole = tokenize_pairs(PairTokenizer(gpt2, bound_chars=False), pairs, limits, "train")
+    assert bounded.rows == whole.rows and len(bounded.rows) >= 10
+    assert [r["reason"] for r in bounded.rejections] == [r["reason"] for r in whole.rejections]
+    assert bounded.rejections[-1]["pair_id"] == pairs[-1]["pair_id"]
+    assert {t["reason"] for t in bounded.truncations} == {"prompt_turns_dropped", "prompt_text_cut"}
+    for cut, ref in zip(bounded.truncations, whole.truncations):
+        assert cut["prompt_tokens_before"] is None and ref["prompt_tokens_before"] > limits.max_length
+        assert _strip_before_counts(cut) == _strip_before_counts(ref)
+
+
+def tokenize_cli(identity: Path, inputs: dict, out: Path, params: Path, *extra: str) -> list[str]:
+    """The stage's command line (`python -m stages.tokenize`, as the Snakemake rule runs it)."""
+    import sys
+
+    return [sys.executable, "-m", "stages.tokenize", "--params", str(params), "--identity", str(identity),
+            "--train", inputs["train_path"], "--probe", inputs["probe_path"], "--probe-manifest",
+            inputs["manifest_path"], "--train-tokens", str(out / "train_tokens.parquet"), "--probe-tokens",
+            str(out / "probe_tokens.parquet"), "--probe-token-manifest", str(out / "probe_token_manifest.json"),
+            "--report", str(out / "tokenize_report.json"), "--rejections", str(out / "token_rejections.parquet"),
+            "--log", str(out / "tokenize.log"), *extra]
+
+
+def stage_params(tmp_path: Path, **tokenize) -> Path:
+    import yaml
+
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["tokenize"].update(tokenize)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    return tmp_path / "params.yaml"
+
+
+def test_a_20_mb_row_costs_the_stage_what_a_small_one_does(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    """The real CLI, README's real-data limits: a pair whose completion is 20 MB of words is rejected
+    (sequence_too_long, its count null) and the stage's largest process stays under 1 GB. Before: the row was
+    tokenized whole (a 50 MB row: 4 minutes and 12.4 GB peak RSS)."""
+    import subprocess
+    import sys
+
+    identity = pinned_gpt2_identity(gpt2_tokenizer_dir, tmp_path)
+    train, probe = split_pairs
+    base = _short_prompts(train)[0]
+    huge = as_pair({"prompt": base["prompt"], "chosen": [A(_long(base["chosen"][0]["content"], 20_000_000))],
+                    "rejected": base["rejected"]}, 10**6)
+    inputs = write_probe_inputs(tmp_path / "in", sorted(train + [huge], key=lambda p: p["pair_id"]), probe)
+    params = stage_params(tmp_path, max_length=1024, max_prompt_length=256, truncation="reject", workers=2)
+    measure = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:]); "
+               "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); sys.exit(r.returncode)")
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-c", measure, *tokenize_cli(identity, inputs, out, params)], cwd=REPO_ROOT,
+                       capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 0, r.stderr[-3000:]
+    peak_mb = int(r.stdout.split()[-1]) / 1024
+    [rejection] = [x for x in read_parquet(out / "token_rejections.parquet").to_pylist()
+                   if x["pair_id"] == huge["pair_id"]]
+    assert rejection["reason"] == "sequence_too_long" and rejection["chosen_tokens"] is None, rejection
+    assert peak_mb < 1024, peak_mb
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                out.append(int(entry.name))
+        except (OSError, IndexError, ValueError):
+            pass
+    return out
+
+
+def _alive(pid: int) -> bool:
+    """Running (not gone, not a zombie waiting for a reaper that a container's PID 1 may never be)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs Linux /proc")
+def test_killed_tokenize_takes_its_workers_with_it(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    """kill -9 of the real tokenize process while its two pool workers are busy: both are gone within 5 s
+    (PR_SET_PDEATHSIG). Before: they stayed blocked on the pool's queue (alive 35 minutes later)."""
+    import signal
+    import subprocess
+    import time
+
+    identity = pinned_gpt2_identity(gpt2_tokenizer_dir, tmp_path)
+    train, probe = split_pairs
+    # 360 real pairs x 40 unique copies: minutes of work for two workers.
+    many = [as_pair({**{k: p[k] for k in ("prompt", "chosen", "rejected")},
+                     "prompt": [U(f"[{k}] " + p["prompt"][0]["content"])] + p["prompt"][1:]}, k * 1000 + i)
+            for k in range(40) for i, p in enumerate(train)]
+    inputs = write_probe_inputs(tmp_path / "in", sorted(many, key=lambda p: p["pair_id"]), probe)
+    params = stage_params(tmp_path, max_length=1024, max_prompt_length=256, truncation="keep_end", workers=2)
+    proc = subprocess.Popen(tokenize_cli(identity, inputs, tmp_path / "out", params, "--chunk-pairs", "64"),
+                            cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    workers: list[int] = []
+    try:
+        deadline = time.monotonic() + 120
+        while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+            workers = _children(proc.pid)
+        assert len(workers) == 2 and proc.poll() is None, (workers, proc.poll())
+        time.sleep(1.0)                      # the workers are tokenizing chunks now
+        assert all(_alive(w) for w in workers)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 5
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        survivors = [w for w in workers if _alive(w)]
+        assert not survivors, f"workers {survivors} outlived their killed parent {proc.pid}"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for w in workers:                    # only the workers this test's process started
+            if _alive(w):
+                os.kill(w, signal.SIGKILL)

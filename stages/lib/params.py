@@ -1,11 +1,21 @@
-"""Load params.yaml and validate it against workflow/schemas/params.schema.yaml.
+"""Load params.yaml and check it before anything runs: the one pre-flight of the pipeline's knobs.
 
-The same schema is used by the Snakefile (snakemake.utils.validate) and by every stage CLI, so a
-stage run by hand or by `dvc repro` refuses a bad knob with the same message.
+`load_params` (every stage CLI) and the Snakefile (at DAG build, before any rule is defined) run the same
+`preflight_params`, so a bad knob is refused with the same message whichever tool meets it first:
+
+* the file is read by a strict YAML loader: a key written twice in one mapping is refused, naming the key and
+  both lines (PyYAML and Snakemake keep the last silently, while DVC refuses the file);
+* every number must be finite (`.nan`, `.inf` pass the schema's bounds: NaN compares false with every bound);
+* workflow/schemas/params.schema.yaml, each error naming the key path and what is allowed there;
+* with `gpus_here=True` (the Snakefile, when jobs run on this machine), `train.gpus` must not exceed the NVIDIA
+  GPUs this machine shows, counted without importing torch (`visible_nvidia_gpus`).
 """
 from __future__ import annotations
 
+import math
 import os
+import shutil
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -24,21 +34,189 @@ def load_schema() -> dict:
         return yaml.safe_load(f)
 
 
+# ---------------------------------------------------------------------------------------------
+# Strict YAML: no key twice in a mapping
+# ---------------------------------------------------------------------------------------------
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses a mapping holding one key twice (ParamsError naming the key path and both
+    lines). `source` names the file in the message."""
+
+    source = "params.yaml"
+
+    def construct_document(self, node):
+        self._paths: dict[int, str] = {}
+        self._index_paths(node, "")
+        return super().construct_document(node)
+
+    def _index_paths(self, node, path: str) -> None:
+        """Key path of every mapping node, for the message (`train`, `data.sources[0]`)."""
+        if isinstance(node, yaml.MappingNode):
+            self._paths[id(node)] = path
+            for key, value in node.value:
+                if isinstance(key, yaml.ScalarNode):
+                    self._index_paths(value, f"{path}.{key.value}" if path else str(key.value))
+        elif isinstance(node, yaml.SequenceNode):
+            for i, item in enumerate(node.value):
+                self._index_paths(item, f"{path}[{i}]")
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict[Any, int] = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":   # `<<: *anchor` overrides by design
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                line = key_node.start_mark.line + 1
+                try:
+                    first = seen.setdefault(key, line)
+                except TypeError:           # an unhashable key: SafeLoader's own error names it
+                    continue
+                if first != line:
+                    parent = self._paths.get(id(node), "")
+                    raise ParamsError(f"{self.source}: key {parent + '.' if parent else ''}{key} is written twice "
+                                      f"(lines {first} and {line}); YAML keeps only one of them: delete the other")
+        return super().construct_mapping(node, deep=deep)
+
+
+def load_yaml_unique(text: str, source: str = "params.yaml") -> Any:
+    loader = UniqueKeyLoader(text)
+    loader.source = source
+    try:
+        return loader.get_single_data()
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{source}: not valid YAML: {e}") from None
+    finally:
+        loader.dispose()
+
+
+# ---------------------------------------------------------------------------------------------
+# Values: finite numbers, the schema
+# ---------------------------------------------------------------------------------------------
+
+def non_finite_keys(node: Any, path: str = "") -> list[str]:
+    """Key paths (`train.lr`, `train.adam_betas[1]`) of every NaN or infinite number under `node`."""
+    if isinstance(node, float) and not math.isfinite(node):
+        return [f"{path or '<top level>'} = {node}"]
+    if isinstance(node, dict):
+        return [p for k, v in node.items() for p in non_finite_keys(v, f"{path}.{k}" if path else str(k))]
+    if isinstance(node, list):
+        return [p for i, v in enumerate(node) for p in non_finite_keys(v, f"{path}[{i}]")]
+    return []
+
+
+def _key_path(error: jsonschema.ValidationError) -> str:
+    out = ""
+    for part in error.absolute_path:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "<top level>"
+
+
+def _alternatives_message(error: jsonschema.ValidationError) -> str:
+    """A oneOf/anyOf error says only "is not valid under any of the given schemas". Name what is allowed: the
+    alternatives whose type the value has (their own errors, at their own key paths), else every alternative."""
+    by_branch: dict[int, list[jsonschema.ValidationError]] = {}
+    for sub in error.context or ():
+        by_branch.setdefault(sub.schema_path[0], []).append(sub)
+    # An alternative the value is not even the type of says only "not of type X"; one it is the type of says why.
+    right_type = {b: errs for b, errs in by_branch.items()
+                  if not any(e.validator == "type" and not e.relative_path for e in errs)}
+    chosen = right_type or by_branch
+    parts = []
+    for errs in chosen.values():
+        for e in errs:
+            where = _key_path(e)
+            parts.append(e.message if where == _key_path(error) else f"{where}: {e.message}")
+    return f"{error.instance!r} is not allowed: " + " or ".join(dict.fromkeys(parts))
+
+
 def validate_params(params: dict, source: str = "params.yaml") -> dict:
     validator = jsonschema.Draft202012Validator(load_schema())
     errors = sorted(validator.iter_errors(params), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
         lines = []
         for e in errors:
-            where = ".".join(str(p) for p in e.absolute_path) or "<top level>"
-            lines.append(f"  {where}: {e.message}")
+            message = _alternatives_message(e) if e.validator in ("oneOf", "anyOf") else e.message
+            lines.append(f"  {_key_path(e)}: {message}")
         raise ParamsError(f"{source} is invalid:\n" + "\n".join(lines))
     return params
 
 
-def load_params(path: str | os.PathLike = "params.yaml") -> dict[str, Any]:
+# ---------------------------------------------------------------------------------------------
+# GPUs on this machine
+# ---------------------------------------------------------------------------------------------
+
+def _cuda_visible(found: int, visible: str | None) -> int:
+    """How many of `found` GPUs CUDA_VISIBLE_DEVICES leaves visible: its entries up to the first invalid one
+    (CUDA's own rule; an index out of range or "-1" ends the list), UUIDs (GPU-..., MIG-...) taken as valid."""
+    if visible is None:
+        return found
+    n = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < found):
+            n += 1
+        else:
+            break
+    return min(n, found)
+
+
+def visible_nvidia_gpus(proc_dir: str | os.PathLike = "/proc/driver/nvidia/gpus") -> tuple[int, str]:
+    """(NVIDIA GPUs this process can use, how they were counted), without importing torch (seconds, and a
+    CUDA context): the driver's /proc/driver/nvidia/gpus entries, else `nvidia-smi -L`; then
+    CUDA_VISIBLE_DEVICES."""
+    proc = Path(proc_dir)
+    if proc.is_dir():
+        found = len([p for p in proc.iterdir() if p.is_dir()])
+        how = f"{proc} lists {found}"
+    elif shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            found = sum(line.startswith("GPU ") for line in r.stdout.splitlines()) if r.returncode == 0 else 0
+        except (OSError, subprocess.TimeoutExpired):
+            found = 0
+        how = f"`nvidia-smi -L` lists {found}"
+    else:
+        found, how = 0, f"no NVIDIA driver: {proc} absent, no nvidia-smi"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    n = _cuda_visible(found, visible)
+    if visible is not None:
+        how += f"; CUDA_VISIBLE_DEVICES={visible!r} leaves {n}"
+    return n, how
+
+
+def check_gpus_here(params: dict, source: str = "params.yaml", counted: tuple[int, str] | None = None) -> None:
+    asked = params["train"]["gpus"]
+    if asked <= 0:
+        return
+    have, how = counted if counted is not None else visible_nvidia_gpus()
+    if asked > have:
+        raise ParamsError(f"{source}: train.gpus is {asked} but this machine can use {have} GPU(s) ({how}): set "
+                          f"train.gpus to at most {have} (0 = a CPU run), or run where the GPUs are "
+                          f"(snakemake --executor slurm --workflow-profile workflow/profiles/slurm)")
+
+
+# ---------------------------------------------------------------------------------------------
+# The pre-flight
+# ---------------------------------------------------------------------------------------------
+
+def preflight_params(path: str | os.PathLike = "params.yaml", *, gpus_here: bool = False) -> dict[str, Any]:
+    """params.yaml, read strictly and checked (module docstring), or ParamsError naming the key."""
+    source = str(path)
     with open(path, encoding="utf-8") as f:
-        params = yaml.safe_load(f)
+        params = load_yaml_unique(f.read(), source)
     if not isinstance(params, dict):
-        raise ParamsError(f"{path}: expected a mapping at the top level, got {type(params).__name__}")
-    return validate_params(params, str(path))
+        raise ParamsError(f"{source}: expected a mapping at the top level, got {type(params).__name__}")
+    bad = non_finite_keys(params)
+    if bad:
+        raise ParamsError(f"{source}: numbers must be finite: " + ", ".join(bad))
+    validate_params(params, source)
+    if gpus_here:
+        check_gpus_here(params, source)
+    return params
+
+
+def load_params(path: str | os.PathLike = "params.yaml") -> dict[str, Any]:
+    """What every stage reads its knobs with: preflight_params without the GPU count (a stage runs where its
+    rule sends it; the engine checks the devices it is given)."""
+    return preflight_params(path)

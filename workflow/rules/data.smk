@@ -2,14 +2,14 @@
 
 # The stage module owns the expansion of a source's glob / directory into its files: these inputs
 # (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads. (common.smk puts
-# the repository on sys.path.)
-from stages.normalize import source_paths
+# the repository on sys.path; the Snakefile's pre-flight has refused a source naming no data file.)
+from stages.normalize import resolve_source_files
 
 
 rule normalize:
     input:
         environment=ENV_RECORD,
-        sources=[f for s in config["data"]["sources"] for f in source_paths(s["path"])],
+        sources=[f for _, files in resolve_source_files(config["data"]["sources"]) for f in files],
         code=code_deps("stages.normalize"),
     output:
         pairs=f"{RESULTS}/normalize/pairs.parquet",

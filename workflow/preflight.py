@@ -1,0 +1,69 @@
+"""The Snakefile's pre-flight: what must hold before Snakemake builds the DAG, refused in one line.
+
+The Snakefile calls `dag_preflight(workflow, config)` right after `configfile:`, before any rule exists, so
+`snakemake` (any executor, dry runs included) and `python workflow/sync_dvc.py` (which builds the DAG through
+the Snakemake API) stop before anything runs or dvc.yaml is written:
+
+* params.yaml through stages/lib/params.py's preflight_params, the one check every stage's load_params runs
+  too (a key written twice, a non-finite number, a schema error), plus `train.gpus` against this machine's
+  GPUs when the jobs run on this machine (`jobs_run_here`);
+* Snakemake's config equal to params.yaml (DVC reads params.yaml only: a --config override would make the two
+  tools disagree about what ran);
+* every data source names data files (stages/normalize.py resolve_source_files): a missing file would
+  otherwise leave normalize an input nothing can make, and Snakemake, finding normalize's old outputs, drops
+  the rule from the DAG instead of failing: dvc.yaml lost the stage and the run claimed data it never read.
+"""
+from __future__ import annotations
+
+import sys
+from typing import NoReturn
+
+
+def refuse(message: str) -> NoReturn:
+    """`Snakefile: refused: <message>` on stderr, exit status 1. An exception raised while Snakemake parses the
+    Snakefile is printed as `<Type> in file "...", line N:`, the message and one `File ...` line per frame (a
+    WorkflowError too), and through the API (sync_dvc.py) as a full traceback; SystemExit passes through both
+    untouched, so this line is all that is printed."""
+    sys.stderr.write(f"Snakefile: refused: {message}\n")
+    sys.stderr.flush()
+    raise SystemExit(1)
+
+
+def jobs_run_here(workflow) -> bool:
+    """Whether this Snakemake invocation runs its jobs on this machine: the local executor (a real run, a dry
+    run or --touch of one), not `--executor slurm` (the DAG-building host need not have the GPUs its jobs ask
+    for), not a job's own Snakemake on a cluster node (exec mode REMOTE), not an API user that only builds the
+    DAG (sync_dvc.py). Snakemake tells a Snakefile nothing about its executor while parsing it: the API parses
+    it when the DAG is asked for, before any executor is chosen, and workflow.executor_plugin is set only when
+    jobs are scheduled (to the dry-run pseudo-executor for --dry-run). Snakemake's CLI has resolved the intended
+    executor (from --executor or the profile) before it parses (cli.py args_to_api, its local
+    `executor_plugin`), so it is read from that frame. No such frame (an API user): False, the check is left
+    to the engine, which refuses GPUs it is not given."""
+    from snakemake_interface_executor_plugins.settings import ExecMode
+
+    if workflow.exec_mode != ExecMode.DEFAULT:
+        return False
+    frame = sys._getframe(1)
+    while frame is not None:
+        settings = getattr(frame.f_locals.get("executor_plugin"), "common_settings", None)
+        if settings is not None:
+            return bool(settings.local_exec)
+        frame = frame.f_back
+    return False
+
+
+def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> dict:
+    """The checks above; returns params.yaml as read, or refuses (one line, exit 1)."""
+    from stages.lib.cli import one_line
+    from stages.lib.params import ParamsError, preflight_params
+    from stages.normalize import SourceError, resolve_source_files
+
+    try:
+        params = preflight_params(params_path, gpus_here=jobs_run_here(workflow))
+        if params != config:
+            raise ParamsError("config differs from params.yaml: edit params.yaml instead of passing "
+                              "--config/--configfile (DVC tracks params.yaml only)")
+        resolve_source_files(params["data"]["sources"])
+    except (ParamsError, SourceError) as e:
+        refuse(one_line(e))
+    return params
