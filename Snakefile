@@ -4,6 +4,7 @@
 #   snakemake --cores 2            # run everything on the embedded default
 #   dvc repro                      # the same DAG, hash-tracked in dvc.lock
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -71,8 +72,6 @@ onsuccess:
         if _missing:
             refuse(f"integrity: declared outputs missing after the run: {', '.join(_missing)}")
         if not workflow.touch:
-            import subprocess
-
             _ran = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"})
             _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran])
             if _done.returncode != 0:
