@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCHEMA, ContractError, check_shape,
-                                  token_hash)
+                                  token_hash, token_hash_problem)
 from stages.lib.cli import stage_main
 from stages.lib.io import read_json, read_jsonl, read_parquet, sha256_file, write_json
 from stages.lib.params import ParamsError, load_params
@@ -44,8 +44,12 @@ from stages.lib.scoring import PerPairFileError, ProbeMismatchError, check_manif
 
 
 def _swapped_token_hashes(probe_tokens_path: str | Path) -> dict[str, tuple[str, str]]:
-    """pair_id -> (token_hash as recorded, token_hash with chosen and rejected exchanged)."""
-    table = read_parquet(probe_tokens_path).to_pylist()
+    """pair_id -> (token_hash as recorded, token_hash with chosen and rejected exchanged). The recorded hashes are
+    first recomputed from the ids: a swap is named from them, so they must be the ids' own."""
+    table = read_parquet(probe_tokens_path)
+    if (problem := token_hash_problem(table, str(probe_tokens_path))) is not None:
+        raise ProbeMismatchError(problem)
+    table = table.to_pylist()
     return {r["pair_id"]: (r["token_hash"], token_hash(r["rejected_ids"], r["rejected_prompt_len"],
                                                       r["chosen_ids"], r["chosen_prompt_len"]))
             for r in table}

@@ -29,7 +29,8 @@ import pyarrow as pa
 from stages.lib.cli import stage_main
 from stages.lib.contracts import (PAIR_COLUMNS, content_hash_problem, missing_pair_columns, pair_id_problem,
                                   pair_problems, probe_digest, row_content_hash)
-from stages.lib.io import ParquetStreamWriter, canonical_json, sha256_text, write_json, write_parquet
+from stages.lib.io import (ParquetStreamWriter, canonical_json, iter_parquet_batches, open_parquet, read_parquet,
+                           sha256_text, write_json, write_parquet)
 from stages.lib.params import ParamsError, load_params
 
 SELECTION = ("ascending sha256(f'{seed}:{pair_id}'), at most one pair per normalized prompt "
@@ -157,11 +158,10 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
     normalize writes pairs sorted by pair_id, so train is the input filtered in place (an input in
     another order is split through freeze_probe() in memory)."""
     import numpy as np
-    import pyarrow.parquet as pq
 
     where = pairs_path
-    # A missing file is an input error (FileNotFoundError); a file that is not parquet is a bug (stage_main).
-    pf = pq.ParquetFile(pairs_path)
+    # A missing file is an input error (FileNotFoundError), a damaged one too (CorruptFileError, page CRCs verified).
+    pf = open_parquet(pairs_path)
     missing = missing_pair_columns(pf.schema_arrow.names)
     if missing:
         raise ProbeError(f"{where}: missing column(s) {missing}; expected normalize's pairs schema "
@@ -174,8 +174,8 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
     n_problems, rows = 0, 0
     in_order = True
     bad_prompt: ProbeError | None = None  # raised after the integrity check, as freeze_probe() orders them
-    for batch in pf.iter_batches(batch_size=chunk_rows, columns=["pair_id", "content_hash", "prompt", "chosen",
-                                                                  "rejected"]):
+    for batch in iter_parquet_batches(pairs_path, chunk_rows, ["pair_id", "content_hash", "prompt", "chosen",
+                                                              "rejected"], parquet_file=pf):
         start, rows = rows, rows + batch.num_rows
         for i, pair in enumerate(batch.to_pylist()):
             row, pid, ch = start + i, pair["pair_id"], pair["content_hash"]
@@ -205,7 +205,7 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
         raise bad_prompt
     seen.clear()
     if not in_order:  # not normalize's order: the in-memory split sorts it (inputs a person made)
-        split = freeze_probe(pf.read(), size=size, seed=seed, where=where)
+        split = freeze_probe(read_parquet(pairs_path), size=size, seed=seed, where=where)
         write_parquet(train_path, split.train)
         write_parquet(probe_path, split.probe)
         return split.manifest
@@ -237,7 +237,7 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
     probe_parts: list[tuple[list[int], pa.Table]] = []  # (probe positions, their rows) per batch
     start = 0
     with ParquetStreamWriter(train_path, pf.schema_arrow) as train_out:
-        for batch in pf.iter_batches(batch_size=chunk_rows):
+        for batch in iter_parquet_batches(pairs_path, chunk_rows, parquet_file=pf):
             n = batch.num_rows
             train_out.write(batch.filter(pa.array(train_mask[start:start + n])))
             local = [r - start for r in range(start, start + n) if r in probe_pos]

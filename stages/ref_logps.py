@@ -6,7 +6,8 @@
         --log logs/ref_logps.log --perf logs/ref_logps.perf.json
 
 Columns: pair_id, split (train|probe), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
-token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens).
+token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens); the footer carries a digest
+of the values (objectives.write_ref_logps), checked where train_dpo reads them.
 Packing, prompt sharing, chunking, precision and compile follow params `train` exactly as train_dpo's probe pass
 does, so the policy's step-0 probe log-probs reproduce these and every step-0 pair ties.
 """
@@ -16,9 +17,9 @@ import logging
 import time
 from pathlib import Path
 
-from stages.lib.io import MEASUREMENT, write_json, write_parquet
+from stages.lib.io import MEASUREMENT, write_json
 from stages.engine.modeling import ModelLoadError, SequenceLogProbs, load_causal_lm
-from stages.engine.objectives import ref_logps_table
+from stages.engine.objectives import ref_logps_table, write_ref_logps
 from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_tokens, resolve_model_dir,
@@ -78,7 +79,7 @@ def _run(args) -> None:
                 perf[split] = {"pass_seconds": round(seconds, 3), "tokens": tokens,
                                "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
         if env.is_main:
-            write_parquet(Path(args.out), ref_logps_table([splits["train"], splits["probe"]]))
+            write_ref_logps(Path(args.out), ref_logps_table([splits["train"], splits["probe"]]))
             log.info("wrote %s", args.out)
             if args.perf:
                 # Process start to the first pass, by phase (stages/engine/startup.py).

@@ -89,8 +89,8 @@ from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, TOKENIZER_FILES, TOKENS
                                   content_hash_problem, pair_id_problem, pair_problems, probe_digest,
                                   row_content_hash, token_digest, token_hash)
 from stages.lib.cli import stage_main
-from stages.lib.io import (ParquetStreamWriter, canonical_json, display_path, read_json, read_parquet, sha256_file,
-                           sha256_json, write_json, write_parquet)
+from stages.lib.io import (ParquetStreamWriter, canonical_json, display_path, iter_parquet_batches, open_parquet,
+                           read_json, read_parquet, sha256_file, sha256_json, write_json, write_parquet)
 from stages.lib.params import ParamsError, load_params
 
 TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end")
@@ -1167,8 +1167,6 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
 
     `workers` is the most processes to use (plan_pool sizes the pool to the input); `chunk_pairs` the most train
     pairs per work unit."""
-    import pyarrow.parquet as pq
-
     manifest = _read_probe_manifest(manifest_path)
     probe = read_pairs(probe_path)  # the probe is small (probe.size pairs) and is scored whole
     check_pairs(probe, probe_path)
@@ -1176,7 +1174,7 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
     probe_ids = {p["pair_id"] for p in probe}
 
     pair_tokenizer, tok_identity = _load_pair_tokenizer(tokenizer_dir, log)
-    train_file = pq.ParquetFile(train_path)
+    train_file = open_parquet(train_path)
     plan = plan_pool(train_file.metadata.num_rows, len(probe), resolve_workers(workers), chunk_pairs)
 
     pairs_in, pairs_out, differ = 0, 0, 0
@@ -1190,7 +1188,7 @@ def run_streaming(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, 
         probe_pending = _probe_tokenizer(pool, pair_tokenizer, probe, limits, plan.probe_chunk)
         with ParquetStreamWriter(train_tokens, TOKENS_SCHEMA) as tokens_out, \
                 ParquetStreamWriter(rejections, REJECTIONS_SCHEMA) as rejections_out:
-            batches = train_file.iter_batches(batch_size=plan.train_chunk)
+            batches = iter_parquet_batches(train_path, plan.train_chunk, parquet_file=train_file)
             for batch, chunk in _chunk_results(pool, pair_tokenizer, batches, limits, "train", plan.processes):
                 # The probe's pieces were queued first, so they are back by now: an incomplete probe is refused
                 # before any train chunk is written.

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import logging
 
-from stages.lib.io import read_parquet
-from stages.engine.objectives import DPOLossError, DPOObjective, RefLogpsError, check_dpo_params, ref_logps_for
+from stages.engine.objectives import (DPOLossError, DPOObjective, RefLogpsError, check_dpo_params, read_ref_logps,
+                                      ref_logps_for)
 from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
@@ -54,7 +54,7 @@ def _run(args) -> dict:
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         ref = None
         if dpo["objective"] == "dpo":
-            table = read_parquet(args.ref_logps)
+            table = read_ref_logps(args.ref_logps)
             ref = {"train": ref_logps_for(table, "train", train_pairs, args.ref_logps),
                    "probe": ref_logps_for(table, "probe", probe_pairs, args.ref_logps)}
         elif args.ref_logps:

@@ -37,9 +37,13 @@ metadata/lock are reported as unverified `extras` (warned, listed in the identit
 that transformers would load (config, tokenizer, weights, chat templates, code) is an error instead.
 `.cache/huggingface/` bookkeeping (CACHEDIR.TAG, .gitignore, *.metadata, *.lock) is accepted.
 
+Symlinks (file or directory) are followed and their files inventoried like any other (a HF cache snapshot is
+links into its blobs/); a link leading outside the snapshot, dangling or looping is refused (reference.list_files).
+
 Nothing loads the model here; later stages call `stages.lib.reference.load_verified_dir(identity_path)`, which re-checks the
-identity file's own digest, every file's size, the lock's hash (local) or metadata (hf), and that no
-loadable file appeared, then returns the directory to load from.
+identity file's own digest, every file's size, the lock's hash (local) or metadata (hf), that no
+loadable file appeared, and every file's content against the identity (through the file-hash cache this stage
+fills: .prefpipe-cache/, keyed by device, inode, size, mtime and ctime), then returns the directory to load from.
 """
 from __future__ import annotations
 
@@ -56,7 +60,8 @@ from stages.lib.cli import Command, stage_main
 from stages.lib.contracts import TOKENIZER_VOCAB_FILES, shape_problem
 from stages.lib.io import GIT_SHA1, MEASUREMENT, SHA256, hash_bytes, sha256_bytes, sha256_json, write_json
 from stages.lib.reference import (COMMIT_RE, CONFIG_FILE, HF_DOWNLOAD_DIR, IDENTITY_FORMAT, LOCK_FORMAT, LOCK_NAME,
-                                  LOCK_SCHEMA, SHA256_RE, SINGLE_WEIGHT_FILES, RefIdentityError, _fail, hash_files,
+                                  LOCK_SCHEMA, SHA256_RE, SINGLE_WEIGHT_FILES, FileHashCache, RefIdentityError, _fail,
+                                  hash_files,
                                   identity_digest, index_shard_suffix, is_hf_bookkeeping, is_loaded_by_transformers,
                                   is_weight_index, list_files, parse_hf_metadata, unsafe_relpath_reason)
 
@@ -348,7 +353,10 @@ def verify_reference(ref: dict, workers: int | None = None) -> dict:
 
     # ---- content: every covered file re-hashed in parallel; metadata and mtimes are never trusted
     t0 = time.perf_counter()
-    hashed = hash_files(root, {rel: e.algo for rel, e in expected.items() if rel not in index_bytes}, workers)
+    # Never from the cache (use_cached=False), but recorded in it: the stages after this one check the same files
+    # against the identity through it (stages.lib.reference.load_verified_dir) without reading them again.
+    hashed = hash_files(root, {rel: e.algo for rel, e in expected.items() if rel not in index_bytes}, workers,
+                        cache=FileHashCache.default(), use_cached=False)
     for rel in index_bytes:
         hashed[rel] = (len(index_bytes[rel]), expected[rel].hash)  # verified from these bytes above
     for rel, e in sorted(expected.items()):

@@ -12,7 +12,8 @@ import pyarrow as pa
 import torch
 import torch.nn.functional as F
 
-from stages.lib.io import sha256_json, write_parquet
+from stages.lib.contracts import token_hash
+from stages.lib.io import write_parquet
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -46,8 +47,8 @@ def token_row(pair_id: str, chosen: list[int], chosen_pl: int, rejected: list[in
               margin: float | None = None) -> dict:
     return {"pair_id": pair_id, "chosen_ids": [int(t) for t in chosen], "chosen_prompt_len": int(chosen_pl),
             "rejected_ids": [int(t) for t in rejected], "rejected_prompt_len": int(rejected_pl), "margin": margin,
-            "token_hash": sha256_json([[int(t) for t in chosen], int(chosen_pl), [int(t) for t in rejected],
-                                       int(rejected_pl)])}
+            "token_hash": token_hash([int(t) for t in chosen], int(chosen_pl), [int(t) for t in rejected],
+                                     int(rejected_pl))}
 
 
 def write_token_parquet(path: Path, rows: list[dict]) -> Path:

@@ -158,16 +158,56 @@ def test_partial_corrupted_and_incomplete_checkpoints_are_refused(trained):
     blob[len(blob) // 2] ^= 0x01                                     # one flipped bit in the weights
     (corrupt / "model.pt").write_bytes(bytes(blob))
     refused("train_rm", ckpt_args(a, "x", params, resume=corrupt), "corrupted checkpoint: model.pt")
-    # ... also under --resume auto: a damaged checkpoint of this very run is refused, never skipped quietly.
-    (a / "ck_auto").mkdir()
-    shutil.copytree(corrupt, a / "ck_auto" / good.name)
-    refused("train_rm", ckpt_args(a, "x", params, a / "ck_auto"), "corrupted checkpoint: model.pt")
+    # (under --resume auto a damaged checkpoint is skipped, saying so: test_auto_resume_falls_back_past_...)
+    garbled = copy_checkpoint(good, a / "garbled")
+    (garbled / META).write_text("{not json")
+    refused("train_rm", ckpt_args(a, "x", params, resume=garbled), f"unreadable {META} .*: the checkpoint is damaged")
 
     interrupted = copy_checkpoint(good, a / ".tmp-step_00000004-x")
     refused("train_rm", ckpt_args(a, "x", params, resume=interrupted), "incomplete checkpoint")
     no_meta = copy_checkpoint(good, a / "no_meta")
     (no_meta / META).unlink()
     refused("train_rm", ckpt_args(a, "x", params, resume=no_meta), "incomplete checkpoint")
+
+
+def flip_byte(path: Path) -> None:
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    path.write_bytes(bytes(blob))
+
+
+def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(trained):
+    """One flipped byte in the newest checkpoint of this run: --resume auto names it and why, resumes from the newest
+    good one and ends as the uninterrupted run did, bitwise. With every checkpoint damaged (an unreadable meta.json,
+    a truncated optimizer state) it starts fresh, saying so, and still ends the same. (--resume PATH of a damaged
+    checkpoint is refused: test_partial_corrupted_and_incomplete_checkpoints_are_refused.)"""
+    from stages import train_rm
+    a, params = trained
+    ck = a / "ck_fallback"
+    shutil.copytree(a / "ck_rm", ck)
+    step2, step4 = checkpoint_at(ck, 2), checkpoint_at(ck, 4)
+    flip_byte(step4 / "model.pt")
+    info = train_rm.main(ckpt_args(a, "fallback", params, ck))
+    assert info["resumed_from_step"] == 2 and info["checkpoints_saved"] == [4]
+    logged = (a / "fallback.log").read_text()
+    assert (f"not resuming from {step4}: {step4}: corrupted checkpoint: model.pt has sha256" in logged
+            and "trying the next older checkpoint of this run" in logged), logged
+    assert (f"resuming from {step2} (step 2), the newest good checkpoint of this run; skipped as damaged: "
+            f"{step4.name}") in logged, logged
+    assert_identical_runs(a / "rm", a / "fallback")
+
+    # The rerun replaced the damaged step 4 with its own; now damage both.
+    (checkpoint_at(ck, 4) / META).write_text('{"step": 4, "fingerp')
+    optimizer = step2 / "optimizer.pt"
+    optimizer.write_bytes(optimizer.read_bytes()[:100])
+    info = train_rm.main(ckpt_args(a, "fresh", params, ck))
+    assert info["resumed_from_step"] is None and info["checkpoints_saved"] == [2, 4]
+    logged = (a / "fresh.log").read_text()
+    assert f"ignoring checkpoint {step4}: its {META} is unreadable (damaged)" in logged, logged
+    assert f"not resuming from {step2}: {step2}: corrupted checkpoint: optimizer.pt" in logged, logged
+    assert (f"no good checkpoint of this run in {ck} (damaged: {step4.name}, {step2.name}): starting fresh"
+            in logged), logged
+    assert_identical_runs(a / "rm", a / "fresh")
 
 
 def test_different_data_probe_reference_params_or_world_size_are_refused(trained):

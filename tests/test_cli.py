@@ -73,9 +73,19 @@ def test_a_missing_input_file_is_refused_not_a_traceback(tmp_path):
 
 def test_a_bug_keeps_its_traceback(tmp_path):
     pairs = tmp_path / "pairs.parquet"
-    pairs.write_text("not parquet")                    # pyarrow's own error: not a known input error
+    # Messages stored as plain strings: the stage's code meets a shape no check of it names (a TypeError).
+    table = pairs_table(leaky_rows())
+    write_parquet(pairs, table.set_column(3, "prompt", pa.array([str(m) for m in table.column("prompt").to_pylist()])))
     r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), pairs))
-    assert r.returncode == 1 and "Traceback" in r.stderr and "refused" not in r.stderr
+    assert r.returncode == 1 and "Traceback" in r.stderr and "TypeError" in r.stderr and "refused" not in r.stderr
+
+
+def test_a_damaged_parquet_is_refused_naming_it(tmp_path):
+    """Not parquet (a truncated or overwritten file) where a parquet artifact is read: one refusal line naming it."""
+    pairs = tmp_path / "pairs.parquet"
+    pairs.write_text("not parquet")
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), pairs))
+    assert_refused(r, "freeze_probe", f"{pairs}: unreadable parquet file", log=tmp_path / "freeze_probe.log")
 
 
 def test_tokenize_refuses_a_bad_identity_file(tmp_path):

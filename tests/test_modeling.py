@@ -58,8 +58,9 @@ def test_no_attention_across_packed_sequences(tmp_path):
     pairs = load_token_pairs(write_token_parquet(tmp_path / "a.parquet", rows))
     base = packed(**batch_inputs(build_packed_batch(pairs, [0, 1, 2, 3])))
     # Perturb pair 1's chosen sequence (prompt and completion tokens, same length).
-    changed = dict(rows[1])
-    changed["chosen_ids"] = [(t * 7 + 3) % 125 + 3 for t in rows[1]["chosen_ids"]]
+    r = rows[1]
+    changed = token_row(r["pair_id"], [(t * 7 + 3) % 125 + 3 for t in r["chosen_ids"]], r["chosen_prompt_len"],
+                        r["rejected_ids"], r["rejected_prompt_len"])     # its own token_hash, as tokenize writes it
     pairs2 = load_token_pairs(write_token_parquet(tmp_path / "b.parquet", [rows[0], changed, rows[2], rows[3]]))
     after = packed(**batch_inputs(build_packed_batch(pairs2, [0, 1, 2, 3])))
     others = [s for s in range(8) if s != 2]

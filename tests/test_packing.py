@@ -24,13 +24,15 @@ def test_load_token_pairs_interleaves_chosen_and_rejected(tmp_path):
 
 
 @pytest.mark.parametrize("bad, reason", [
-    (dict(chosen_prompt_len=0), "prompt_len 0"),
-    (dict(chosen_prompt_len=3), "prompt_len 3 leaves no scoreable completion"),
-    (dict(rejected_ids=[5, 7, 500]), "token id out of range"),
+    (dict(chosen_pl=0), "prompt_len 0"),
+    (dict(chosen_pl=3), "prompt_len 3 leaves no scoreable completion"),
+    (dict(rejected=[5, 7, 500]), "token id out of range"),
 ])
 def test_load_token_pairs_refuses_bad_rows_naming_them(tmp_path, bad, reason):
     rows = random_rows(3, seed=2)
-    rows[1] = {**token_row("bad", [5, 6, 7], 2, [5, 6, 9], 2), **bad}
+    # A row as tokenize would write it (its token_hash its own): the per-row checks, not the hash, refuse it.
+    rows[1] = token_row(**{"pair_id": "bad", "chosen": [5, 6, 7], "chosen_pl": 2, "rejected": [5, 6, 9],
+                           "rejected_pl": 2, **bad})
     path = write_token_parquet(tmp_path / "t.parquet", rows)
     with pytest.raises(TokenDataError, match=f"row 1 \\(pair bad\\).*{reason}"):
         load_token_pairs(path, vocab_size=128)

@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -502,10 +503,10 @@ def test_load_verified_dir_catches_repin_and_hf_redownload(local_dir, snap, buil
         load_verified_dir(ident)
 
     hf_ident = _write_identity(hf_ref(snap), tmp_path / "hf.json")
-    flip_last_byte_keep_mtime(snap / "model.safetensors")
-    assert load_verified_dir(hf_ident) == snap.resolve()  # cheap check: same size, same metadata
-    with pytest.raises(RefIdentityError, match="content differs"):
-        load_verified_dir(hf_ident, deep=True)
+    flip_last_byte_keep_mtime(snap / "model.safetensors")   # same size, same metadata: the content check finds it
+    for deep in (False, True):
+        with pytest.raises(RefIdentityError, match=r"model\.safetensors: content differs .* rerun verify_ref"):
+            load_verified_dir(hf_ident, deep=deep)
     sign(snap, "model.safetensors", OTHER_REV)  # re-downloaded at another commit between stages
     with pytest.raises(RefIdentityError, match=r"model\.safetensors: metadata .* changed since verification"):
         load_verified_dir(hf_ident)
@@ -518,3 +519,152 @@ def test_load_verified_dir_catches_new_loadable_file(snap, tmp_path):
     (snap / "special_tokens_map.json").write_text("{}")
     with pytest.raises(RefIdentityError, match=r"special_tokens_map\.json: appeared since verification"):
         load_verified_dir(ident)
+
+
+# ============================================================ content before loading: the file-hash cache
+
+def _in_place_edit_keep_mtime(p: Path) -> None:
+    """One byte of the file changed through the same inode, the size kept and the mtime put back."""
+    st = p.stat()
+    with open(p, "r+b") as f:
+        f.seek(st.st_size // 2)
+        byte = f.read(1)
+        f.seek(st.st_size // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.utime(p, ns=(st.st_atime_ns, st.st_mtime_ns))
+    now = p.stat()
+    assert (now.st_ino, now.st_size, now.st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    assert now.st_ctime_ns != st.st_ctime_ns          # what no user process can put back
+
+
+def _local_identity_via_cli(local_dir: Path, tmp_path: Path) -> tuple[Path, Path]:
+    revision = verify_ref.pin(local_dir, "embedded/tiny-qwen2")
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["ref"] = local_ref(local_dir, revision=revision)
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump(params))
+    ident = tmp_path / "results/ref/ref_identity.json"
+    assert verify_ref.main(["verify", "--params", str(tmp_path / "params.yaml"), "--identity", str(ident)]) == 0
+    return ident, tmp_path / "params.yaml"
+
+
+def test_engine_refuses_weights_edited_in_place_with_size_inode_and_mtime_kept(local_dir, tmp_path, monkeypatch):
+    """The issue's scenario: a real tiny model pinned and verified by the real CLI, then model.safetensors edited
+    in place, same size, same inode, mtime restored. A (size, mtime, inode) cache would call it unchanged; the
+    ctime in the key does not, and the engine stage refuses before loading, naming the file and verify_ref."""
+    from stages import train_rm
+    from stages.lib.reference import HASH_CACHE_ENV, FileHashCache, stat_key
+    cache = tmp_path / "repo/.prefpipe-cache/file_hashes.json"
+    monkeypatch.setenv(HASH_CACHE_ENV, str(cache))
+    time.sleep(2.1)                   # files older than the racy window (reference.RACY_NS), so verify caches them
+    ident, params = _local_identity_via_cli(local_dir, tmp_path)
+    weights = local_dir / "model.safetensors"
+    entries = FileHashCache(cache).entries
+    assert entries[os.path.realpath(weights)]["key"] == stat_key(weights)     # verify_ref filled the cache
+    assert load_verified_dir(ident) == local_dir.resolve()                    # and a load is checked through it
+
+    _in_place_edit_keep_mtime(weights)
+    with pytest.raises(RefIdentityError, match=r"model\.safetensors: content differs .* rerun verify_ref"):
+        load_verified_dir(ident)
+    with pytest.raises(SystemExit) as e:
+        train_rm.main(["--params", str(params), "--identity", str(ident), "--train-tokens", str(tmp_path / "t.parquet"),
+                       "--probe-tokens", str(tmp_path / "p.parquet"), "--out-dir", str(tmp_path / "rm")])
+    line = str(e.value)
+    assert e.value.code == 1 and line.startswith("train_rm: refused: reference ") and "\n" not in line
+    assert f"{weights}: content differs from {ident}" in line and "rerun verify_ref" in line, line
+    assert not (tmp_path / "rm").exists()
+
+
+def test_the_cache_is_trusted_only_while_the_key_holds_and_deep_rehashes(local_dir, tmp_path, monkeypatch):
+    """What the cache cannot see (bytes changed beneath the filesystem, which leave every inode field as it was) is
+    stood in for by a cache entry that lies for an unchanged key: the default load believes it, deep=True does not."""
+    from stages.lib.reference import HASH_CACHE_ENV, FileHashCache, stat_key
+    cache = tmp_path / "cache.json"
+    monkeypatch.setenv(HASH_CACHE_ENV, str(cache))
+    time.sleep(2.1)
+    ident, _ = _local_identity_via_cli(local_dir, tmp_path)
+    config = local_dir / "config.json"
+    data = json.loads(cache.read_text())
+    data["files"][os.path.realpath(config)]["sha256"] = "0" * 64
+    cache.write_text(json.dumps(data))
+    with pytest.raises(RefIdentityError, match=r"config\.json: content differs"):
+        load_verified_dir(ident)
+    assert load_verified_dir(ident, deep=True) == local_dir.resolve()        # re-hashed, and the cache corrected
+    assert FileHashCache(cache).lookup(config, stat_key(config), SHA256) == sha256_file(config)
+    assert load_verified_dir(ident) == local_dir.resolve()
+    monkeypatch.setenv(HASH_CACHE_ENV, "off")                                 # no cache: every load re-hashes
+    _in_place_edit_keep_mtime(config)
+    with pytest.raises(RefIdentityError, match=r"config\.json: content differs"):
+        load_verified_dir(ident)
+
+
+# ======================================================================================= symlinks
+
+def test_a_symlinked_directory_is_inventoried_by_pin_and_verify(local_dir, tmp_path):
+    """additional_chat_templates/ as a link to a directory inside the snapshot: transformers loads its files, so
+    pin locks them, verify hashes them, and one appearing after the pin is refused as unverified."""
+    store = local_dir / "templates_store"
+    store.mkdir()
+    (store / "tool_use.jinja").write_text("{{ messages }}\n")
+    verify_ref.pin(local_dir, "embedded/tiny-qwen2")          # the store alone: an extra, never loaded
+    (local_dir / "additional_chat_templates").symlink_to("templates_store", target_is_directory=True)
+    with pytest.raises(RefIdentityError, match=r"additional_chat_templates/tool_use\.jinja: not in lock .*present "
+                                               "but not covered"):
+        verify_reference(local_ref(local_dir))
+
+    verify_ref.pin(local_dir, "embedded/tiny-qwen2")
+    lock = json.loads((local_dir / LOCK_NAME).read_text())
+    assert "additional_chat_templates/tool_use.jinja" in {f["path"] for f in lock["files"]}
+    identity = verify_reference(local_ref(local_dir))
+    assert "additional_chat_templates/tool_use.jinja" in {f["path"] for f in identity["files"]}
+    ident = tmp_path / "ident.json"
+    ident.write_text(json.dumps(identity))
+    assert load_verified_dir(ident) == local_dir.resolve()
+    (store / "tool_use.jinja").write_text("{{ evil }}\n\n")            # edited through the link's target
+    with pytest.raises(RefIdentityError, match=r"additional_chat_templates/tool_use\.jinja: size"):
+        verify_reference(local_ref(local_dir))
+    with pytest.raises(RefIdentityError, match=r"additional_chat_templates/tool_use\.jinja: size .* swapped"):
+        load_verified_dir(ident)
+
+
+def test_links_leaving_the_snapshot_dangling_or_looping_are_refused(local_dir, tmp_path):
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "tool_use.jinja").write_text("{{ messages }}\n")
+    verify_ref.pin(local_dir, "embedded/tiny-qwen2")
+    ident = _write_identity(local_ref(local_dir), tmp_path / "ident.json")
+    link = local_dir / "additional_chat_templates"
+    cases = [(lambda: link.symlink_to(outside, target_is_directory=True), "leads outside the snapshot"),
+             (lambda: link.symlink_to(local_dir, target_is_directory=True), "loops"),
+             (lambda: link.symlink_to("additional_chat_templates"), "loops"),
+             (lambda: link.symlink_to(tmp_path / "absent"), "points to nothing")]
+    for make, why in cases:
+        make()
+        for check in (lambda: verify_ref.pin(local_dir, "embedded/tiny-qwen2"),
+                      lambda: verify_reference(local_ref(local_dir)), lambda: load_verified_dir(ident)):
+            with pytest.raises(RefIdentityError, match=rf"additional_chat_templates: symlink .*{why}"):
+                check()
+        link.unlink()
+    assert load_verified_dir(ident) == local_dir.resolve()
+
+
+def test_a_hub_cache_snapshot_of_links_into_blobs_pins_and_verifies(built, tmp_path):
+    """`models--org--name/snapshots/<rev>/` holds links to `../../blobs/<sha256>`, as huggingface_hub's cache does:
+    followed (the blobs are inside the repository's tree) and verified by content."""
+    repo = tmp_path / "hub/models--someone--tiny"
+    snapshot, blobs = repo / "snapshots" / REV, repo / "blobs"
+    blobs.mkdir(parents=True)
+    for p in sorted(built["single"].rglob("*")):
+        rel = p.relative_to(built["single"]).as_posix()
+        if p.is_file() and rel != LOCK_NAME:
+            blob = blobs / hashlib.sha256(p.read_bytes()).hexdigest()
+            shutil.copy2(p, blob)
+            (snapshot / rel).parent.mkdir(parents=True, exist_ok=True)
+            (snapshot / rel).symlink_to(os.path.relpath(blob, (snapshot / rel).parent))
+    assert all((snapshot / f).is_symlink() for f in ("config.json", "model.safetensors"))
+    revision = verify_ref.pin(snapshot, "someone/tiny")
+    identity = verify_reference(local_ref(snapshot, revision=revision, repo_id="someone/tiny"))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f["path"] for f in identity["files"]}
+    blob = (snapshot / "tokenizer.json").resolve()
+    blob.write_bytes(blob.read_bytes().replace(b'"', b"'", 1))             # the blob behind the link, same size
+    with pytest.raises(RefIdentityError, match=r"tokenizer\.json: content hash mismatch"):
+        verify_reference(local_ref(snapshot, revision=revision, repo_id="someone/tiny"))

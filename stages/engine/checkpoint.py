@@ -28,8 +28,11 @@ Resume (`--resume`):
   auto   the newest complete checkpoint whose fingerprint equals this run's; checkpoints of other
          runs (changed params, data, reference, world size, objective) are skipped with a logged
          warning that names every difference, so a rerun with new params starts fresh instead of
-         loading something incompatible; a matching checkpoint that is partial or corrupted is
-         REFUSED (never silently skipped: it means a damaged disk or a tampered file);
+         loading something incompatible; a matching checkpoint that is partial or corrupted (a file
+         missing or differing from its recorded sha256, an unreadable meta.json) is skipped with a
+         warning naming it and why, and the next older one of this run is tried: a crash or a damaged
+         disk costs the steps since the newest good checkpoint, never the run; with none good the run
+         starts fresh, saying so;
   PATH   exactly that checkpoint; any difference from this run is refused with the reasons.
 Resuming under another world size is refused: the deterministic data plan assigns pairs to ranks
 by world size and the RNG state is per rank, so the trajectory would not be the same run's.
@@ -200,9 +203,11 @@ def list_checkpoints(directory) -> tuple[list[tuple[int, Path, dict]], list[Path
             continue
         try:
             meta = read_json(p / META)
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{p / META}: unreadable checkpoint metadata ({e}); delete the directory") from e
-        complete.append((int(meta.get("step", -1)), p, meta))
+            step = int(meta.get("step", -1))
+        except (OSError, ValueError, TypeError, AttributeError):
+            incomplete.append(p)        # damaged meta.json: never a candidate (select_checkpoint says why)
+            continue
+        complete.append((step, p, meta))
     complete.sort(key=lambda t: (t[0], t[1].name), reverse=True)
     return complete, incomplete
 
@@ -248,7 +253,10 @@ def select_checkpoint(options: CheckpointOptions, header: dict) -> tuple[Path, d
             raise CheckpointError(f"--resume {path}: no such checkpoint directory")
         if path.name.startswith(TMP_PREFIX) or not (path / META).is_file():
             raise CheckpointError(f"--resume {path}: incomplete checkpoint (no {META}: its save was interrupted)")
-        meta = read_json(path / META)
+        try:
+            meta = read_json(path / META)
+        except (OSError, ValueError) as e:
+            raise CheckpointError(f"--resume {path}: unreadable {META} ({e}): the checkpoint is damaged") from e
         problems = incompatibilities(meta, header)
         if problems:
             raise CheckpointError(f"--resume {path}: refusing an incompatible checkpoint:\n  - " + "\n  - ".join(problems))
@@ -257,8 +265,13 @@ def select_checkpoint(options: CheckpointOptions, header: dict) -> tuple[Path, d
     if options.directory is None:
         return None
     complete, incomplete = list_checkpoints(options.directory)
+    damaged: list[str] = []         # skipped as damaged, named again in the decision's log line
     for p in incomplete:
-        log.warning("ignoring incomplete checkpoint %s (its save was interrupted)", p)
+        if not p.name.startswith(TMP_PREFIX) and (p / META).is_file():
+            log.warning("ignoring checkpoint %s: its %s is unreadable (damaged)", p, META)
+            damaged.append(p.name)
+        else:
+            log.warning("ignoring incomplete checkpoint %s (its save was interrupted)", p)
     want = fingerprint(header)
     for step, path, meta in complete:
         problems = incompatibilities(meta, header)
@@ -269,8 +282,21 @@ def select_checkpoint(options: CheckpointOptions, header: dict) -> tuple[Path, d
             log.warning("not resuming from %s: run fingerprint %s != %s", path, str(meta.get("fingerprint"))[:12],
                         want[:12])
             continue
-        verify_checkpoint(path, meta)
+        try:
+            verify_checkpoint(path, meta)
+        except CheckpointError as e:
+            # This run's own checkpoint, damaged (a crash mid-write on a filesystem without ordered writes, a bad
+            # disk, a flipped bit): fall back to the one before it rather than refuse the whole run.
+            log.warning("not resuming from %s: %s; trying the next older checkpoint of this run", path, e)
+            damaged.append(path.name)
+            continue
+        if damaged:
+            log.warning("resuming from %s (step %d), the newest good checkpoint of this run; skipped as damaged: %s",
+                        path, step, ", ".join(damaged))
         return path, meta
+    if damaged:
+        log.warning("no good checkpoint of this run in %s (damaged: %s): starting fresh", options.directory,
+                    ", ".join(damaged))
     return None
 
 

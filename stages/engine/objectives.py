@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from stages.lib.contracts import correct_label
-from stages.lib.io import sha256_bytes, sha256_json
+from stages.lib.io import read_parquet, sha256_bytes, sha256_json, write_parquet
 from stages.engine.modeling import SequenceLogProbs, SequenceRewards, load_causal_lm, load_reward_model
 from stages.engine.packing import PackedBatch, TokenPairs
 
@@ -349,6 +349,17 @@ def ref_logps_table(splits: list[tuple[str, TokenPairs, np.ndarray]]) -> pa.Tabl
         cols["ref_rejected_logp"] += logps[:, 1].astype(np.float64).tolist()
         cols["token_hash"] += pairs.token_hashes
     return pa.Table.from_pydict(cols, schema=REF_LOGPS_SCHEMA)
+
+
+def write_ref_logps(path, table: pa.Table) -> None:
+    """The ref_logps parquet, with the digest of its values in the footer (stages.lib.io.VALUES_DIGEST_KEY): the
+    log-probs have no content hash of their own, and the page CRCs do not cover the footer."""
+    write_parquet(path, table, values_digest=True)
+
+
+def read_ref_logps(path) -> pa.Table:
+    """write_ref_logps's table; a damaged file (page CRC, values digest) is refused naming it (CorruptFileError)."""
+    return read_parquet(path, values_digest=True)
 
 
 def ref_logps_for(table: pa.Table, split: str, pairs: TokenPairs, source: str) -> np.ndarray:

@@ -30,6 +30,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from stages.lib.contracts import token_hash_problem
 from stages.lib.io import read_parquet
 
 TOKEN_COLUMNS = ("pair_id", "chosen_ids", "chosen_prompt_len", "rejected_ids", "rejected_prompt_len",
@@ -110,12 +111,15 @@ def _list_column(table: pa.Table, name: str, path: str) -> list[np.ndarray]:
 
 
 def load_token_pairs(path: str | Path, vocab_size: int | None = None) -> TokenPairs:
-    """Read and validate a token parquet (docs/ARTIFACTS.md, tokenize)."""
+    """Read and validate a token parquet (docs/ARTIFACTS.md, tokenize): page CRCs (read_parquet), every row's
+    token_hash recomputed from its ids (contracts.token_hash_problem), then the per-row checks below."""
     path = str(path)
     table = read_parquet(path)          # not pq.read_table: it imports pyarrow.dataset (~0.45 s a stage)
     missing = [c for c in TOKEN_COLUMNS if c not in table.column_names]
     if missing:
         raise TokenDataError(f"{path}: missing columns {missing} (have {table.column_names})")
+    if (problem := token_hash_problem(table, path)) is not None:
+        raise TokenDataError(problem)
     pair_ids = table.column("pair_id").to_pylist()
     token_hashes = table.column("token_hash").to_pylist()
     margins = np.array([np.nan if m is None else float(m) for m in table.column("margin").to_pylist()],

@@ -10,7 +10,7 @@ without timestamps or MEASUREMENT lines), runs the stage and returns what it ret
 
 One exit convention for bad input: an exception of one of the stage's `input_errors` (the ValueError
 subclasses its checks raise, e.g. ProbeError, ParamsError, TokenizeError, CheckpointError; plus
-FileNotFoundError, a missing input) is logged as ONE line, `<stage>: refused: <message>` (stderr and the log
+FileNotFoundError, a missing input, and stages.lib.io.CorruptFileError, a damaged one) is logged as ONE line, `<stage>: refused: <message>` (stderr and the log
 file), and the process exits with status 1 (`StageRefused`, a SystemExit). No traceback: the message names
 the file/row and the failed check. Anything else is a bug and keeps its traceback.
 
@@ -26,14 +26,15 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from stages.lib.io import setup_logging
+from stages.lib.io import CorruptFileError, setup_logging
 
 DEFAULT_PARAMS = "params.yaml"
 REQUIRED = object()         # `params=REQUIRED`: --params has no default
 REFUSED_EXIT = 1
 
-# Always input errors: a missing input file is bad input, not a bug.
-BASE_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError,)
+# Always input errors: a missing input file is bad input, not a bug; so is a damaged one (a parquet page failing
+# its CRC, a values digest that differs: stages.lib.io.CorruptFileError, which names the file).
+BASE_INPUT_ERRORS: tuple[type[BaseException], ...] = (FileNotFoundError, CorruptFileError)
 
 LOG_HELP = ("log file: the run's results and decisions, no timestamps and no timings (a hashed output); "
             "also logged to stderr")

@@ -15,9 +15,14 @@ Manifest shapes are JSON Schemas checked with jsonschema where a stage reads the
 """
 from __future__ import annotations
 
+import hashlib
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from stages.lib.io import sha256_json
 
@@ -133,6 +138,75 @@ def token_hash(chosen_ids: list[int], chosen_prompt_len: int, rejected_ids: list
                rejected_prompt_len: int) -> str:
     """What a pair is scored on: sha256 of [chosen_ids, chosen_prompt_len, rejected_ids, rejected_prompt_len]."""
     return sha256_json([chosen_ids, chosen_prompt_len, rejected_ids, rejected_prompt_len])
+
+
+# Rows per piece of token_hashes_of: bounds the memory of the decimal texts (a few MB a piece) and gives the
+# threads their work units.
+TOKEN_HASH_PIECE_ROWS = 2048
+
+
+def token_hashes_of(table: pa.Table, threads: int | None = None) -> list[str | None]:
+    """token_hash of every row of a token table (TOKENS_SCHEMA's four id columns), recomputed from its ids: the
+    same sha256 of the same canonical JSON text as token_hash, built by Arrow's kernels instead of json.dumps.
+    canonical_json writes a list of ints as `[` + the decimal ints joined by `,` + `]` (no spaces), which is what
+    the cast to strings and the joins below write, so the text is byte for byte the one token_hash hashes
+    (tests/test_content_checks.py checks them against each other, edge cases included). About 4x faster than
+    token_hash row by row on one core (bench/token_hash_bench.py: 9.6 s for 1M pairs of 340 tokens, against 38 s),
+    and the pieces run in `threads` threads (Arrow's kernels and hashlib's sha256 release the GIL). None for a row
+    with a null value (it has no canonical JSON)."""
+    def decimal_lists(ids: pa.Array) -> pa.Array:
+        """`1,2,3` per row. Only the slice's own values are cast: casting the sliced list array itself converts the
+        whole child array beneath the slice, every piece again."""
+        offsets = ids.offsets.to_numpy()
+        values = ids.values.slice(int(offsets[0]), int(offsets[-1] - offsets[0]))
+        return pc.binary_join(pa.ListArray.from_arrays(pa.array(offsets - offsets[0], pa.int32()),
+                                                       pc.cast(values, pa.string()), mask=ids.is_null()), ",")
+
+    def piece(start: int) -> list[str | None]:
+        t = table.slice(start, TOKEN_HASH_PIECE_ROWS).combine_chunks()
+        joined = [decimal_lists(t.column(c).chunk(0)) for c in ("chosen_ids", "rejected_ids")]
+        lens = [pc.cast(t.column(c).chunk(0), pa.string()) for c in ("chosen_prompt_len", "rejected_prompt_len")]
+        text = pc.binary_join_element_wise("[[", joined[0], "],", lens[0], ",[", joined[1], "],", lens[1], "]", "")
+        valid = text.is_valid().to_numpy(zero_copy_only=False)
+        offsets = np.frombuffer(text.buffers()[1], dtype=np.int32)[text.offset: text.offset + len(text) + 1]
+        data = memoryview(text.buffers()[2] or b"")
+        return [hashlib.sha256(data[offsets[i]: offsets[i + 1]]).hexdigest() if valid[i] else None
+                for i in range(len(text))]
+
+    starts = range(0, table.num_rows, TOKEN_HASH_PIECE_ROWS)
+    if threads is None:
+        threads = default_hash_threads()
+    if threads <= 1 or len(starts) <= 1:
+        return [h for start in starts for h in piece(start)]
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        return [h for hashes in pool.map(piece, starts) for h in hashes]
+
+
+def default_hash_threads() -> int:
+    """The cores this process may use, shared among the processes torchrun started on this node (each rank
+    checks the table it reads)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)))
+
+
+def token_hash_problem(table: pa.Table, source: str, threads: int | None = None) -> str | None:
+    """None when every row's token_hash is the hash of its ids (token_hashes_of); else one line naming the file,
+    the first row that differs and its pair_id: the ids were changed (or damaged) after tokenize wrote them."""
+    recorded = table.column("token_hash").to_pylist()
+    actual = token_hashes_of(table, threads)
+    if recorded == actual and None not in actual:
+        return None
+    row = next(i for i, (r, a) in enumerate(zip(recorded, actual)) if a is None or r != a)
+    pid = table.column("pair_id")[row].as_py()
+    bad = sum(a is None or r != a for r, a in zip(recorded, actual))
+    if actual[row] is None:
+        return f"{source}: row {row} (pair {pid}): null token ids or prompt length, so no token_hash can be computed"
+    return (f"{source}: row {row} (pair {pid}): token_hash {recorded[row]} is not the hash of the row's ids "
+            f"({actual[row]}); {bad} row(s) differ: the token ids were changed or damaged after tokenize wrote them; "
+            "rerun tokenize")
 
 
 def token_digest(pair_ids: list[str], token_hashes: list[str]) -> str:

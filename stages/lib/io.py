@@ -4,6 +4,11 @@ Every artifact is written to a temporary sibling and renamed into place, so a cr
 partial file under the final name (a partial output must never masquerade as complete). JSON is
 canonical (sorted keys, fixed separators) and parquet carries no pandas/timestamp metadata, so the
 same inputs give byte-identical outputs.
+
+Parquet artifacts carry a CRC-32 of every page (written by the one writer here, verified by the one reader), so a
+flipped bit in the data is refused, naming the file (CorruptFileError), never read as other values. A file whose
+values have no content hash of their own (ref_logps) also carries a digest of its decoded values in the footer
+(`values_digest=True`): the CRCs do not cover the footer (see VALUES_DIGEST_KEY).
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -138,15 +144,88 @@ def read_jsonl(path: str | os.PathLike) -> list[dict]:
 # every writer (whole-table or streaming) cuts row groups at this many rows, never at a chunk or
 # worker boundary.
 PARQUET_ROW_GROUP = 1 << 16
+# write_page_checksum: a CRC-32 of every data and dictionary page, which read_parquet / iter_parquet_batches verify.
 _PARQUET_OPTIONS = dict(compression="zstd", compression_level=3, use_dictionary=True, write_statistics=True,
-                        store_schema=False)
+                        store_schema=False, write_page_checksum=True)
+
+# The footer key of a parquet file's values digest (write_parquet(values_digest=True)). Why a digest beyond the page
+# CRCs: a CRC covers a page's data only, not the page headers nor the footer (schema, column names and types, row
+# counts, page offsets), and flipping single bits of a real ref_logps file's footer found reads that succeed with
+# other column names, string columns turned binary and fewer rows. A digest of the *decoded* values catches every
+# corruption that changes what a reader gets, whichever byte it hit, with no sidecar file for the DAG to carry (a
+# flip in the digest itself is refused too). For ref_logps it is the only content check there is: its
+# log-probs have no hash of their own, unlike the token tables (token_hash, recomputed on read) and the pairs
+# (content_hash).
+VALUES_DIGEST_KEY = "prefpipe.values_sha256"
 
 
-def write_parquet(path: str | os.PathLike, table: pa.Table) -> None:
-    """Byte-deterministic parquet: schema metadata dropped, one fixed compression and layout."""
+class CorruptFileError(ValueError):
+    """An artifact's bytes are not what was written (a page fails its CRC, the file is not readable parquet, its
+    values digest differs); the message names the file. A refusal (stages.lib.cli), never a traceback."""
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+@contextmanager
+def _parquet_read_errors(path: str | os.PathLike) -> Iterator[None]:
+    """What pyarrow raises on a damaged file (CRC mismatch, undecodable thrift or pages, bad UTF-8 in the schema)
+    becomes one CorruptFileError naming the file; a missing file stays FileNotFoundError."""
+    try:
+        yield
+    except FileNotFoundError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, EOFError) as e:
+        if isinstance(e, CorruptFileError):
+            raise
+        raise CorruptFileError(f"{path}: unreadable parquet file ({type(e).__name__}: {_first_line(e)}): damaged, "
+                               "truncated or not parquet; rerun the stage that writes it") from e
+
+
+def _values_digest(table: pa.Table) -> str:
+    """sha256 of a table's decoded values, independent of its parquet encoding and chunking: the schema (names,
+    types), the row count, then per column its nulls and its values (fixed-width: little-endian bytes with nulls
+    as 0; strings/binary: every value's length as int64, then the bytes). Flat columns only."""
+    h = hashlib.sha256(canonical_json([[f.name, str(f.type)] for f in table.schema] + [table.num_rows]).encode())
+    for field, column in zip(table.schema, table.columns):
+        arr = column.combine_chunks() if column.num_chunks != 1 else column.chunk(0)
+        t = arr.type
+        text = pa.types.is_string(t) or pa.types.is_binary(t)
+        if not (text or pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)):
+            raise TypeError(f"values digest: column {field.name} has type {t}; only flat columns are digested")
+        if arr.null_count:
+            h.update(b"N" + np.packbits(arr.is_null().to_numpy(zero_copy_only=False)).tobytes())
+            fill = "" if pa.types.is_string(t) else b"" if text else False if pa.types.is_boolean(t) else 0
+            arr = arr.fill_null(pa.scalar(fill, t))
+        else:
+            h.update(b"V")
+        if not len(arr):
+            continue
+        if text:
+            offsets = np.frombuffer(arr.buffers()[1], dtype=np.int32)[arr.offset: arr.offset + len(arr) + 1]
+            h.update(np.diff(offsets).astype("<i8").tobytes())
+            if offsets[-1] > offsets[0]:
+                h.update(memoryview(arr.buffers()[2])[offsets[0]: offsets[-1]])
+        else:
+            values = arr.to_numpy(zero_copy_only=False)
+            h.update(values.astype(values.dtype.newbyteorder("<"), copy=False).tobytes())
+    return h.hexdigest()
+
+
+def write_parquet(path: str | os.PathLike, table: pa.Table, *, values_digest: bool = False) -> None:
+    """Byte-deterministic parquet: schema metadata dropped, one fixed compression and layout, page CRCs.
+    values_digest: also record the values' digest in the footer (VALUES_DIGEST_KEY), for read_parquet to check."""
     table = table.replace_schema_metadata(None)
     with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, row_group_size=PARQUET_ROW_GROUP, **_PARQUET_OPTIONS)
+        if not values_digest:
+            pq.write_table(table, tmp, row_group_size=PARQUET_ROW_GROUP, **_PARQUET_OPTIONS)
+            return
+        digest = _values_digest(table)
+        with pq.ParquetWriter(tmp, table.schema, **_PARQUET_OPTIONS) as writer:
+            writer.write_table(table, row_group_size=PARQUET_ROW_GROUP)
+            writer.add_key_value_metadata({VALUES_DIGEST_KEY: digest})
 
 
 class ParquetStreamWriter:
@@ -201,11 +280,45 @@ class ParquetStreamWriter:
         return False
 
 
-def read_parquet(path: str | os.PathLike) -> pa.Table:
-    """One parquet file, whole (the same table as pq.read_table). Through ParquetFile, not read_table: read_table
-    goes through pyarrow.dataset, whose import alone is ~0.45 s of every stage that reads a parquet."""
-    with pq.ParquetFile(path) as f:
-        return f.read()
+def open_parquet(path: str | os.PathLike) -> pq.ParquetFile:
+    """A parquet file opened for reading with its page CRCs verified as pages are read (a page written without one,
+    e.g. by another tool, is read as is). Read it through read_parquet or iter_parquet_batches, which turn a damaged
+    page into CorruptFileError."""
+    with _parquet_read_errors(path):
+        return pq.ParquetFile(path, page_checksum_verification=True)
+
+
+def read_parquet(path: str | os.PathLike, *, values_digest: bool = False) -> pa.Table:
+    """One parquet file, whole (the same table as pq.read_table), page CRCs verified. Through ParquetFile, not
+    read_table: read_table goes through pyarrow.dataset, whose import alone is ~0.45 s of every stage that reads a
+    parquet. values_digest: the file must carry write_parquet's values digest, and the values read must match it.
+    A damaged file raises CorruptFileError naming it."""
+    with _parquet_read_errors(path), open_parquet(path) as f:
+        table = f.read()
+        recorded = (f.metadata.metadata or {}).get(VALUES_DIGEST_KEY.encode())
+    table = table.replace_schema_metadata(None)
+    if values_digest:
+        if recorded is None:
+            raise CorruptFileError(f"{path}: no values digest ({VALUES_DIGEST_KEY}) in the parquet footer: written by "
+                                   "an older version, or the footer is damaged; rerun the stage that writes it")
+        try:
+            actual = _values_digest(table)
+        except TypeError as e:        # a damaged schema can turn a column into a type the digest does not take
+            raise CorruptFileError(f"{path}: {e}; the footer is damaged; rerun the stage that writes it") from e
+        if actual != recorded.decode("utf-8", "replace"):
+            raise CorruptFileError(f"{path}: the values read do not match the values digest in its footer "
+                                   f"({actual[:16]}... != {recorded[:16].decode('utf-8', 'replace')}...): the file "
+                                   "is corrupted; rerun the stage that writes it")
+    return table
+
+
+def iter_parquet_batches(path: str | os.PathLike, batch_size: int, columns: list[str] | None = None,
+                         parquet_file: pq.ParquetFile | None = None) -> Iterator[pa.RecordBatch]:
+    """The file's record batches, page CRCs verified; a damaged page raises CorruptFileError naming the file.
+    `parquet_file`: the file already opened by open_parquet (e.g. to read its row count first)."""
+    with _parquet_read_errors(path):
+        f = parquet_file if parquet_file is not None else open_parquet(path)
+        yield from f.iter_batches(batch_size=batch_size, columns=columns)
 
 
 def display_path(path: str | os.PathLike) -> str:

@@ -3,20 +3,28 @@
 The verify_ref stage (stages/verify_ref.py: `pin`, `verify`) proves a reference directory is the pinned
 snapshot and writes ref_identity.json; the stages that load the reference (tokenize, ref_logps, training)
 call `load_verified_dir(identity_path)` from here, which re-checks the identity file's own digest (and
-shape), every file's size, the lock's hash (local) or metadata (hf), and that no loadable file appeared,
+shape), every file's size, the lock's hash (local) or metadata (hf), that no loadable file appeared, and every
+listed file's content against the identity's hash (through FileHashCache, so an unchanged file is not re-read),
 then returns the directory to load from. The shapes of the lock and of the identity are JSON Schemas
 (LOCK_SCHEMA, IDENTITY_SCHEMA), checked where the files are read.
+
+The inventory (list_files) follows symlinks, file and directory: a Hugging Face cache snapshot is made of links
+into its blobs/, and transformers reads a linked directory (e.g. additional_chat_templates/) like any other. A link
+that leaves the snapshot (the directory itself, or for a HF cache snapshot `.../snapshots/<rev>/` its repository's
+blobs/), dangles, or loops is refused.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Iterable
 
 from stages.lib.contracts import TOKENIZER_FILES, TOKENIZER_VOCAB_FILES, shape_problem
-from stages.lib.io import GIT_SHA1, SHA256, hash_file, read_json, sha256_bytes, sha256_json
+from stages.lib.io import GIT_SHA1, SHA256, hash_file, read_json, sha256_bytes, sha256_json, write_text
 
 LOCK_NAME = "prefpipe.lock.json"
 LOCK_FORMAT = "prefpipe-ref-lock/1"
@@ -59,12 +67,106 @@ def default_workers() -> int:
 
 # ========================================================================================= hashing
 
-def hash_files(root: Path, jobs: dict[str, str], workers: int | None = None) -> dict[str, tuple[int, str] | str]:
-    """Hash {relpath: algo} in parallel (largest first); value is (size, hex) or an error string."""
-    def one(rel: str) -> tuple[int, str] | str:
+# Where FileHashCache keeps its entries: under the checkout every stage runs in (its working directory, as every
+# relative path in params.yaml), git-ignored (.gitignore), never a tracked output and never under HOME.
+# PREFPIPE_HASH_CACHE names another file; "off" disables the cache (every load re-hashes).
+HASH_CACHE_PATH = ".prefpipe-cache/file_hashes.json"
+HASH_CACHE_ENV = "PREFPIPE_HASH_CACHE"
+HASH_CACHE_FORMAT = "prefpipe-file-hashes/1"
+# A file changed within this long before it was hashed is not cached: file times tick coarsely (a kernel tick, up to
+# 2 s on some filesystems), so a write in the same tick as the hash could leave the key as it was (git's "racy"
+# entries). Such a file is simply hashed again next time.
+RACY_NS = 2_000_000_000
+
+
+def stat_key(path: str | os.PathLike) -> list[int]:
+    """What FileHashCache trusts a digest by: device, inode, size, mtime and ctime (ns) of the file a path reaches
+    (links followed). Any write through the kernel (write, truncate, mmap, a rename onto the path) changes mtime and
+    ctime or the inode; restoring the mtime (os.utime, touch -d, cp -p) sets ctime to now, and no user process can
+    set ctime back, so a same-size in-place edit with the mtime put back is caught too. Not caught: bytes changed
+    beneath the filesystem (disk or controller bit rot, a raw block-device write, an offline edit of the disk image),
+    which leave every inode field as it was; `load_verified_dir(deep=True)` or `verify_ref verify` re-hash those."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+class FileHashCache:
+    """{real path: stat_key + digests}, persisted as JSON at HASH_CACHE_PATH. A digest is used only while the file's
+    stat_key is unchanged; any change of it re-hashes. Several processes may share it (torchrun ranks, parallel
+    stages): each save re-reads the file and merges, and writes atomically, so the worst a race does is drop an
+    entry (re-hashed next time)."""
+
+    def __init__(self, path: str | os.PathLike | None):
+        self.path = Path(path) if path is not None else None
+        self.entries: dict[str, dict] = self._read() if self.path is not None else {}
+        self.added: dict[str, dict] = {}
+
+    @classmethod
+    def default(cls) -> "FileHashCache":
+        where = os.environ.get(HASH_CACHE_ENV, HASH_CACHE_PATH)
+        return cls(None if where == "off" else where)
+
+    def _read(self) -> dict[str, dict]:
         try:
-            size, digests = hash_file(root / rel, (jobs[rel],))
-            return size, digests[jobs[rel]]
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}       # absent or unreadable: a cache, not a record; everything is hashed again
+        if not isinstance(data, dict) or data.get("format") != HASH_CACHE_FORMAT or not isinstance(
+                data.get("files"), dict):
+            return {}
+        return {k: v for k, v in data["files"].items() if isinstance(v, dict) and isinstance(v.get("key"), list)}
+
+    def lookup(self, path: Path, key: list[int], algo: str) -> str | None:
+        entry = self.entries.get(os.path.realpath(path))
+        if entry is None or entry["key"] != key or not isinstance(entry.get(algo), str):
+            return None
+        return entry[algo]
+
+    def record(self, path: Path, key: list[int], algo: str, digest: str, started_ns: int) -> None:
+        if self.path is None or max(key[3], key[4]) >= started_ns - RACY_NS:
+            return
+        real = os.path.realpath(path)
+        entry = self.entries.get(real)
+        entry = dict(entry) if entry is not None and entry["key"] == key else {"key": key}
+        entry[algo] = digest
+        self.entries[real] = self.added[real] = entry
+
+    def save(self) -> None:
+        """Merge what this process added into the file; entries whose file is gone or changed are dropped."""
+        if self.path is None or not self.added:
+            return
+        merged = {**self._read(), **self.added}
+        live = {}
+        for real, entry in sorted(merged.items()):
+            try:
+                if stat_key(real) == entry["key"]:
+                    live[real] = entry
+            except OSError:
+                pass
+        try:
+            write_text(self.path, json.dumps({"format": HASH_CACHE_FORMAT, "files": live}, sort_keys=True) + "\n")
+        except OSError:
+            pass            # a read-only checkout: the check itself ran; the next one hashes again
+        self.added = {}
+
+
+def hash_files(root: Path, jobs: dict[str, str], workers: int | None = None, cache: FileHashCache | None = None,
+               use_cached: bool = True) -> dict[str, tuple[int, str] | str]:
+    """Hash {relpath: algo} in parallel (largest first); value is (size, hex) or an error string.
+    cache: take a digest from it while the file's stat_key holds (`use_cached`), and record every digest computed
+    from a file whose stat_key did not change while it was read (so verify_ref, which never trusts a cache, fills it
+    for the stages after it)."""
+    def one(rel: str) -> tuple[int, str] | str:
+        algo = jobs[rel]
+        try:
+            key = stat_key(root / rel) if cache is not None else None
+            if cache is not None and use_cached and (digest := cache.lookup(root / rel, key, algo)) is not None:
+                return key[2], digest
+            started = time.time_ns()
+            size, digests = hash_file(root / rel, (algo,))
+            if cache is not None and stat_key(root / rel) == key:
+                cache.record(root / rel, key, algo, digests[algo], started)
+            return size, digests[algo]
         except OSError as e:
             return f"cannot read: {e.strerror or e}"
 
@@ -76,21 +178,62 @@ def hash_files(root: Path, jobs: dict[str, str], workers: int | None = None) -> 
 
     order = sorted(jobs, key=lambda r: (-size_of(r), r))
     with ThreadPoolExecutor(max_workers=workers or default_workers()) as pool:
-        return dict(zip(order, pool.map(one, order)))
+        out = dict(zip(order, pool.map(one, order)))
+    if cache is not None:
+        cache.save()
+    return out
 
 
 # ======================================================================================= inventory
 
+def snapshot_trees(root: Path) -> list[Path]:
+    """Where a link in the snapshot at `root` may lead: the snapshot itself (resolved), and for a Hugging Face cache
+    snapshot (`models--org--name/snapshots/<rev>/`, whose files are links to `../../blobs/<sha>`) that repository's
+    blobs/."""
+    real = root.resolve()
+    trees = [real]
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        trees.append((real.parent.parent / "blobs").resolve())
+    return trees
+
+
 def list_files(root: Path) -> list[str]:
-    """Every regular file (or symlink to one) under root as a posix relpath, sorted."""
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        rel_dir = Path(dirpath).relative_to(root)
-        for name in filenames:
-            p = Path(dirpath) / name
-            if p.is_file():
-                out.append((rel_dir / name).as_posix())
+    """Every regular file under root as a posix relpath, sorted, symlinks to files and directories followed (the
+    paths are the ones transformers opens). Refuses (RefIdentityError) a link that leads outside snapshot_trees(root),
+    dangles or loops: an inventory that skipped it would let unverified files reach the model."""
+    root = Path(root)
+    trees = snapshot_trees(root)
+    out: list[str] = []
+
+    def refuse(path: Path, why: str) -> None:
+        raise RefIdentityError(f"{path}: symlink {why}; a reference snapshot must hold every file it loads (copy the "
+                               f"target in, or point ref.local_dir at a snapshot that does)")
+
+    def walk(directory: Path, rel: PurePosixPath, ancestors: tuple[Path, ...]) -> None:
+        for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+            path, entry_rel = Path(entry.path), rel / entry.name
+            if entry.is_symlink():
+                try:
+                    target = path.resolve(strict=True)
+                except FileNotFoundError:
+                    refuse(path, f"to {os.readlink(path)!r} points to nothing")
+                except (OSError, RuntimeError):          # ELOOP (3.13) / "Symlink loop" (3.11)
+                    refuse(path, "loops")
+                if not any(target == t or t in target.parents for t in trees):
+                    refuse(path, f"leads outside the snapshot, to {target} (allowed: "
+                                 f"{', '.join(str(t) for t in trees)})")
+                if target.is_dir():
+                    if target in ancestors:
+                        refuse(path, f"loops (to {target}, a directory above it)")
+                    walk(path, entry_rel, (*ancestors, target))
+                elif target.is_file():
+                    out.append(entry_rel.as_posix())
+            elif entry.is_dir():
+                walk(path, entry_rel, (*ancestors, path.resolve()))
+            elif entry.is_file():
+                out.append(entry_rel.as_posix())
+
+    walk(root, PurePosixPath(), (root.resolve(),))
     return sorted(out)
 
 
@@ -231,13 +374,16 @@ def read_identity(identity_path: str | os.PathLike) -> dict:
 
 def load_verified_dir(identity_path: str | os.PathLike, expect_digest: str | None = None, deep: bool = False,
                       workers: int | None = None) -> Path:
-    """Cheap re-check between stages; returns the directory to load the reference from.
+    """The re-check between stages, before anything is loaded; returns the directory to load the reference from.
 
     Checks the identity's own digest, every file present with its recorded size, the lock's SHA-256
-    (local) or each file's metadata commit and ETag (hf), and that no file transformers would load has
-    appeared since verification. `expect_digest`: the identity_digest an upstream artifact recorded
-    (e.g. the tokenizer identity in the token manifest), so a valid identity of *another* snapshot
-    swapped in is refused too. `deep=True` also re-hashes every file (full verify cost).
+    (local) or each file's metadata commit and ETag (hf), that no file transformers would load has
+    appeared since verification, and every listed file's content against the identity's hash: through the
+    FileHashCache, which verify_ref filled, so an unchanged file costs a stat and a changed one (any change of
+    stat_key: an in-place edit even with its size and mtime kept) is re-hashed. `expect_digest`: the
+    identity_digest an upstream artifact recorded (e.g. the tokenizer identity in the token manifest), so a valid
+    identity of *another* snapshot swapped in is refused too. `deep=True` re-hashes every file whatever the cache
+    holds (full verify cost; what the cache cannot see, bytes changed beneath the filesystem, see stat_key).
     """
     identity_path = Path(identity_path)
     identity = read_identity(identity_path)
@@ -281,12 +427,17 @@ def load_verified_dir(identity_path: str | os.PathLike, expect_digest: str | Non
         if rel not in known and is_loaded_by_transformers(rel) and not (
                 identity["source"] == "local" and rel == LOCK_NAME):
             problems.append(f"{root / rel}: appeared since verification ({identity_path}) and would be loaded")
-    if deep and not problems:
-        hashed = hash_files(root, {rel: f["algo"] for rel, f in listed.items()}, workers)
-        for rel, f in listed.items():
+    if not problems:
+        hashed = hash_files(root, {rel: f["algo"] for rel, f in listed.items()}, workers,
+                            cache=FileHashCache.default(), use_cached=not deep)
+        for rel, f in sorted(listed.items()):
             got = hashed[rel]
-            if isinstance(got, str) or got[1] != f["hash"]:
-                problems.append(f"{root / rel}: content differs from {identity_path}")
+            if isinstance(got, str):
+                problems.append(f"{root / rel}: {got}")
+            elif got[1] != f["hash"]:
+                problems.append(f"{root / rel}: content differs from {identity_path} ({f['algo']} {got[1][:16]}... "
+                                f"!= {f['hash'][:16]}...): the file changed since verification; rerun verify_ref "
+                                "(python -m stages.verify_ref verify)")
     _fail(f"reference {root} no longer matches {identity_path}:", problems)
     return root.resolve()
 
