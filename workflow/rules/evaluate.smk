@@ -16,9 +16,9 @@ rule evaluate:
         rm_final=RM_OUT.probe_final,
         code=code_deps("stages.evaluate"),
     output:
-        metrics_dpo="metrics/dpo.json",
-        metrics_rm="metrics/rm.json",
-        bootstrap=f"{RESULTS}/evaluate/bootstrap_summary.json",
+        metrics_dpo=OUT["evaluate"]["metrics_dpo"],
+        metrics_rm=OUT["evaluate"]["metrics_rm"],
+        bootstrap=OUT["evaluate"]["bootstrap"],
     params:
         evaluate=config["evaluate"],
         probe__size=config["probe"]["size"],
@@ -66,9 +66,9 @@ rule report:
         # report's `verify` recomputes metrics with lib/scoring.py (evaluate's code) and the environment with lib's.
         code=code_deps("stages.report"),
     output:
-        bundle=f"{RESULTS}/report/evidence.tar.gz",
-        summary=f"{RESULTS}/report/summary.md",
-        curves=directory(f"{RESULTS}/report/curves"),
+        bundle=OUT["report"]["bundle"],
+        summary=OUT["report"]["summary"],
+        curves=directory(OUT["report"]["curves"]),
     params:
         # The bundle carries params.yaml itself, so every section is a dependency.
         data=config["data"],
