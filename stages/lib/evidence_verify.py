@@ -13,6 +13,7 @@ checks below also hold each member to what it was made from:
     rerun), dvc.lock recording the same hashes and the same params (absolute paths compared portably), the
     source files normalize read pinned as the manifest says, environment.json remade from DIR's run_info.json.
 Without --workspace, hashed-only artifacts and source files are SKIPPED: only the bundle can be checked.
+About 500 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
 """
 from __future__ import annotations
 
@@ -217,6 +218,13 @@ def _check_layout(v: Verdicts, b: _Bundle) -> None:
 # Artifacts: packed ones against the bundle; with a workspace, every one against DIR and its dvc.lock
 # --------------------------------------------------------------------------------------------------
 
+def _same_md5(v: Verdicts, what: str, where: str, got: str | None, want: str | None, absent: str = "",
+              why: str = "") -> None:
+    """`<where> md5 X` when it is the manifest's, `... != manifest Y<why>` when not; `absent` when got is None."""
+    v.add(got is not None and got == want, what, absent if got is None else
+          f"{where} md5 {got}" + ("" if got == want else f" != manifest {want}{why}"))
+
+
 def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     stage_of = bundle_artifacts(b.params)
     for rel, e in sorted(b.artifacts.items()):
@@ -241,13 +249,9 @@ def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
             # A deleted output (a crashed rerun, --forcerun) is not "unchecked": the workspace is not the run.
             v.add(False, what, f"missing: rerun {stage_of.get(rel, 'the pipeline')}")
         else:
-            md5 = got[rel]["md5"]
-            v.add(md5 == e.get("md5"), what, f"workspace md5 {md5}" + (
-                "" if md5 == e.get("md5") else f" != manifest {e.get('md5')}"))
+            _same_md5(v, what, "workspace", got[rel]["md5"], e.get("md5"))
         if ws.has_lock:
-            recorded = ws.outs.get(rel)
-            v.add(recorded == e.get("md5"), f"{rel} (dvc.lock)", "not recorded in dvc.lock" if recorded is None
-                  else f"dvc.lock md5 {recorded}" + ("" if recorded == e.get("md5") else f" != manifest {e.get('md5')}"))
+            _same_md5(v, f"{rel} (dvc.lock)", "dvc.lock", ws.outs.get(rel), e.get("md5"), "not recorded in dvc.lock")
     if not ws.has_lock:
         v.add(None, f"{ws.root / 'dvc.lock'}", f"{ws.lock_problem}: recorded hashes and params not checked")
 
@@ -340,17 +344,15 @@ def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
             what = f"source {f['path']}"
             dep = by_name.get(f["path"])
             if ws.has_lock:
-                v.add(dep is not None and dep.get("md5") == f.get("md5"), f"{what} (dvc.lock)",
-                      "not a normalize dep in dvc.lock" if dep is None else f"dvc.lock md5 {dep.get('md5')}" +
-                      ("" if dep.get("md5") == f.get("md5") else f" != manifest {f.get('md5')}"))
+                _same_md5(v, f"{what} (dvc.lock)", "dvc.lock", dep and dep.get("md5"), f.get("md5"),
+                          "not a normalize dep in dvc.lock")
             local = Path(dep["path"]) if dep is not None else Path(f["path"])
             local = local if local.is_absolute() else ws.root / local
             if (f["path"].startswith(EXTERNAL) and dep is None) or not local.is_file():
                 v.add(None, what, "not in the workspace: not hashed")
                 continue
-            md5 = hash_file(local, (MD5,))[1][MD5]
-            v.add(md5 == f.get("md5"), what, f"workspace md5 {md5}" + (
-                "" if md5 == f.get("md5") else f" != manifest {f.get('md5')}: the data changed since the run"))
+            _same_md5(v, what, "workspace", hash_file(local, (MD5,))[1][MD5], f.get("md5"),
+                      why=": the data changed since the run")
 
 
 # --------------------------------------------------------------------------------------------------
