@@ -55,6 +55,11 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/slurm.smk"
 
+# Every rule's outputs are stages/lib/layout.py's, and the report reads them all (what `report verify` requires).
+from rule_layout import check_rules_follow_layout
+
+check_rules_follow_layout(rules, config)
+
 
 rule all:
     input:

@@ -1,6 +1,8 @@
 """Synthetic inputs for evaluate/report tests, in the exact contract format of docs/ARTIFACTS.md:
 probe_manifest.json, probe_token_manifest.json (+ probe_tokens.parquet), per-pair probe JSONL at step 0
-and final for DPO and RM, train_log.csv, run_info.json and a stand-in model directory.
+and final for DPO and RM, train_log.csv, run_info.json and a stand-in model directory; every other artifact
+of the pipeline (stages/lib/layout.py) as a stand-in file, and the data source files with the
+normalize_stats.json that names them.
 
 Not a trainer: scores are drawn from a seeded generator so that the final checkpoint prefers chosen
 more often than step 0 (by `quality`). Also a script, so a DVC stage in a temp repo can run it:
@@ -20,8 +22,10 @@ import numpy as np
 import pyarrow as pa
 import yaml
 
+from stages.engine.settings import TrainSettings
 from stages.lib.environment import environment_record
 from stages.lib.io import sha256_json, write_json, write_jsonl, write_parquet
+from stages.lib.layout import bundle_artifacts
 
 
 def make_probe(n: int, seed: int = 0) -> tuple[dict, dict, list[dict]]:
@@ -87,7 +91,7 @@ def rm_rows(token_manifest: dict, seed: int, quality: float, step0: bool) -> lis
     return rows
 
 
-def write_train_dir(out: Path, seed: int, record: dict, steps: int = 12) -> None:
+def write_train_dir(out: Path, seed: int, record: dict, objective: str, settings: dict, steps: int = 12) -> None:
     rng = np.random.default_rng([seed, 3])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train_log.csv", "w", newline="") as f:
@@ -98,7 +102,7 @@ def write_train_dir(out: Path, seed: int, record: dict, steps: int = 12) -> None
                         round(s / 10, 6), 1e-3, round(float(rng.uniform(0.5, 2)), 6)])
     # run_info as a trainer might write it, plus things that must never reach the bundle.
     write_json(out / "run_info.json", {
-        "world_size": 1, "backend": "gloo", "environment": record,
+        "world_size": 1, "backend": "gloo", "environment": record, "objective": objective, "settings": settings,
         "hostname": socket.gethostname(), "output_dir": str(out.resolve()), "timings": {"total_s": 1.5}})
     model = out / "model"
     (model / "sub").mkdir(parents=True, exist_ok=True)
@@ -107,7 +111,9 @@ def write_train_dir(out: Path, seed: int, record: dict, steps: int = 12) -> None
     (model / "sub" / "optimizer.pt").write_bytes(b"optimizer-state" * 10)
 
 
-def write_all(root: Path, params: dict, quality: float = 0.8) -> None:
+def write_all(root: Path, params: dict, quality: float = 0.8, normalize: bool = True) -> None:
+    """Every synthetic artifact; `normalize`: also the data source files and normalize's outputs (a DVC test runs
+    those as a stage of their own, with the sources as its deps)."""
     root = Path(root)
     n, seed, beta = params["probe"]["size"], params["train"]["seed"], params["dpo"]["beta"]
     probe_manifest, token_manifest, token_rows = make_probe(n, params["probe"]["seed"])
@@ -121,14 +127,51 @@ def write_all(root: Path, params: dict, quality: float = 0.8) -> None:
     # The real environment record of this process, as the environment stage writes it.
     record = environment_record(params["train"])
     write_json(root / "results/env/environment.json", record)
-    write_train_dir(root / "results/train_dpo", seed, record)
-    write_train_dir(root / "results/train_rm", seed + 1, record)
+    # The settings record the engine writes into run_info.json, from the same params.
+    settings = TrainSettings.from_params(params).record()
+    write_train_dir(root / "results/train_dpo", seed, record, params["dpo"]["objective"], settings)
+    write_train_dir(root / "results/train_rm", seed + 1, record, "reward_model", settings)
+    if normalize:
+        write_sources(root, params)
+        write_normalize(root, params)
+    for rel, stage in bundle_artifacts(params).items():
+        if stage in ("freeze_probe", "verify_ref", "tokenize", "ref_logps") and not (root / rel).exists():
+            (root / rel).parent.mkdir(parents=True, exist_ok=True)
+            (root / rel).write_text(f"stand-in for {rel} (seed {seed})\n")
+
+
+def write_sources(root: Path, params: dict) -> None:
+    """A few rows for each data source file that does not exist (an absolute path is used as is)."""
+    for k, src in enumerate(params["data"]["sources"]):
+        path = Path(src["path"]) if Path(src["path"]).is_absolute() else root / src["path"]
+        if not path.exists():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("".join(json.dumps({"prompt": f"q{k}-{i}", "chosen": "a", "rejected": "b"}) + "\n"
+                                    for i in range(3)))
+
+
+def write_normalize(root: Path, params: dict) -> None:
+    """normalize's outputs as stand-ins, but for normalize_stats.json in its contract shape, naming each source's
+    file as normalize records it (the path as params.yaml writes it)."""
+    sources = [{"name": src.get("name", f"source{k}"), "path": src["path"], "format": src["format"],
+                "files": [{"path": src["path"], "rows": 3}], "rows_in": 3, "pairs_out": 3}
+               for k, src in enumerate(params["data"]["sources"])]
+    write_json(root / "results/normalize/normalize_stats.json", {"sources": sources,
+                                                                 "totals": {"rows_in": 3 * len(sources)}})
+    for name in ("pairs.parquet", "rejections.parquet"):
+        (root / "results/normalize" / name).write_text(f"stand-in for normalize's {name}\n")
 
 
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--params", required=True)
     ap.add_argument("--root", default=".")
+    ap.add_argument("--part", choices=["all", "normalize", "rest"], default="all",
+                    help="normalize: normalize's outputs only; rest: everything else")
     a = ap.parse_args()
     with open(a.params) as f:
-        write_all(Path(a.root), yaml.safe_load(f))
+        params = yaml.safe_load(f)
+    if a.part == "normalize":
+        write_normalize(Path(a.root), params)
+    else:
+        write_all(Path(a.root), params, normalize=a.part == "all")

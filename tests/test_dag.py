@@ -127,3 +127,33 @@ def test_layers_lib_and_engine_never_import_a_stage_and_stages_import_no_other_s
                 if rel.startswith("stages/lib/") and name.startswith("stages.engine"):   # lib is below the engine
                     bad.append(f"{rel} imports {name}")
     assert not bad, bad
+
+
+def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
+    """stages/lib/layout.py is the one list of artifact paths: the rules take their outputs from it, and an output
+    added to a rule by hand (which the evidence bundle would never vouch for) stops the DAG build, naming the rule."""
+    from stages.lib.layout import STAGE_OUTPUTS, bundle_artifacts
+
+    jobs, config = sync_dvc.snakemake_jobs()
+    dvc = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+    for stage, outputs in STAGE_OUTPUTS.items():
+        if stage in dvc:
+            outs = {next(iter(o)) if isinstance(o, dict) else o
+                    for key in ("outs", "metrics", "plots") for o in dvc[stage].get(key, [])}
+            assert set(outputs.values()) <= outs, stage
+    assert set(bundle_artifacts(config)) <= set(re.findall(r"[^\s=]+", dvc["report"]["cmd"]))
+
+    for name in ["Snakefile", "params.yaml", "workflow", "stages", "data", "models", "requirements"]:
+        src = REPO_ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, tmp_path / name)
+    rules = tmp_path / "workflow/rules/data.smk"
+    text = rules.read_text()
+    assert '        stats=OUT["normalize"]["stats"],\n' in text
+    rules.write_text(text.replace('        stats=OUT["normalize"]["stats"],\n',
+                                  '        stats=OUT["normalize"]["stats"],\n        extra="results/normalize/extra.json",\n'))
+    r = subprocess.run(["snakemake", "-n", "--quiet"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "rule normalize: outputs" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "are not stages/lib/layout.py's" in r.stdout + r.stderr

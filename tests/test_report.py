@@ -20,7 +20,9 @@ import pytest
 import yaml
 
 from stages import report as rp
-from synthetic_probe import write_all
+from stages.lib import evidence as ev
+from stages.lib.layout import bundle_artifacts
+from synthetic_probe import write_all, write_sources
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,15 +37,21 @@ PER_PAIR = [f"results/train_{m}/probe_{c}.jsonl" for m in ("dpo", "rm") for c in
 SYNTH_OUTS = (["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
                "results/tokens/probe_tokens.parquet", "results/env/environment.json"] + PER_PAIR
               + [f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json", "model")])
-HASHED_ONLY = ["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
-               "results/tokens/probe_tokens.parquet", "results/train_dpo/model", "results/train_rm/model"]
+# What the report rule hashes without packing: every output of the data, reference and token stages and the
+# models, from the pipeline's layout (the list `verify` requires in a manifest); the synthetic inputs stand them in.
+ARTIFACTS = bundle_artifacts(yaml.safe_load((REPO / "params.yaml").read_text()))
+HASHED_ONLY = [p for p, stage in ARTIFACTS.items() if stage in ("normalize", "freeze_probe", "verify_ref", "tokenize",
+                                                                "ref_logps")] + ["results/train_dpo/model",
+                                                                                 "results/train_rm/model"]
+STAND_INS = [p for p in HASHED_ONLY if p not in SYNTH_OUTS]
 REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
                 "--metrics", "metrics/dpo.json", "metrics/rm.json", "--per-pair", *PER_PAIR,
                 "--bootstrap-summary", "results/evaluate/bootstrap_summary.json",
                 "--train-log", "dpo=results/train_dpo/train_log.csv", "rm=results/train_rm/train_log.csv",
                 "--run-info", "dpo=results/train_dpo/run_info.json", "rm=results/train_rm/run_info.json",
                 "--environment", "results/env/environment.json",
-                "--probe-manifests", "results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json"])
+                "--probe-manifests", "results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
+                "--normalize-stats", "results/normalize/normalize_stats.json"])
 REPORT_CMD = ("python -m stages.report " + " ".join(REPORT_ARGS) + " --bundle results/report/evidence.tar.gz"
               " --summary results/report/summary.md --curves-dir results/report/curves --log logs/report.log")
 
@@ -56,18 +64,27 @@ def small_params(**train) -> dict:
     return params
 
 
-def dvc_yaml() -> dict:
+NORMALIZE_OUTS = [p for p, stage in ARTIFACTS.items() if stage == "normalize"]
+
+
+def dvc_yaml(params: dict) -> dict:
     return {
         "stages": {
-            "synth": {"cmd": "python -m synthetic_probe --params params.yaml --root .",
-                      "params": ["probe", "train.seed", "dpo"], "outs": SYNTH_OUTS},
+            # as the pipeline's: the source files are deps, data the params (verify holds the bundle to both)
+            "normalize": {"cmd": "python -m synthetic_probe --params params.yaml --root . --part normalize",
+                          "deps": [s["path"] for s in params["data"]["sources"]], "params": ["data"],
+                          "outs": NORMALIZE_OUTS},
+            "synth": {"cmd": "python -m synthetic_probe --params params.yaml --root . --part rest",
+                      "params": ["probe", "train.seed", "dpo"],
+                      "outs": SYNTH_OUTS + [p for p in STAND_INS if p not in NORMALIZE_OUTS]},
             "evaluate": {"cmd": EVALUATE_CMD, "params": ["evaluate", "probe.size", "dpo.beta", "dpo.objective"],
                          "deps": ["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
                                   *PER_PAIR],
                          "outs": ["results/evaluate/bootstrap_summary.json"],
                          "metrics": [{"metrics/dpo.json": {"cache": False}}, {"metrics/rm.json": {"cache": False}}]},
             "report": {"cmd": REPORT_CMD,
-                       "deps": [*HASHED_ONLY, "metrics/dpo.json", "metrics/rm.json", *PER_PAIR,
+                       "deps": [*HASHED_ONLY, *[s["path"] for s in params["data"]["sources"]],
+                                "metrics/dpo.json", "metrics/rm.json", *PER_PAIR,
                                 "results/evaluate/bootstrap_summary.json", "results/env/environment.json",
                                 *[f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json")]],
                        "outs": ["results/report/evidence.tar.gz", "results/report/summary.md", "results/report/curves"]},
@@ -158,7 +175,10 @@ def _inputs(tmp_path: Path, params: dict) -> Path:
 
 
 def _report(repo: Path, out: str) -> tuple[bytes, str]:
-    r = subprocess.run([sys.executable, "-m", "stages.report", *REPORT_ARGS, "--bundle", f"{out}/evidence.tar.gz",
+    # the report rule's arguments under this repo's params (reference-free DPO has no ref_logps)
+    produced = bundle_artifacts(yaml.safe_load((repo / "params.yaml").read_text()))
+    args = [a for a in REPORT_ARGS if a not in ARTIFACTS or a in produced]
+    r = subprocess.run([sys.executable, "-m", "stages.report", *args, "--bundle", f"{out}/evidence.tar.gz",
                         "--summary", f"{out}/summary.md", "--log", f"{out}/report.log"],
                        cwd=repo, env=_env(), capture_output=True, text=True)
     return r.returncode, r.stderr
@@ -187,7 +207,8 @@ def test_bundle_byte_identical_contents_and_no_leaks(tmp_path):
     record = json.loads((repo / "results/env/environment.json").read_text())
     assert env["record"] == record and env["training"]["dpo"]["record"] == record
     assert env["record"]["python"] == ".".join(map(str, sys.version_info[:2]))
-    assert set(env["training"]["dpo"]) == {"world_size", "backend", "record"}     # no hostname, paths, timings
+    # no hostname, paths, timings: the whitelisted layout, objective and settings only
+    assert set(env["training"]["dpo"]) == {"world_size", "backend", "record", "objective", "settings"}
     assert members["evidence/artifacts/results/env/environment.json"] == (repo / "results/env/environment.json").read_bytes()
     summary = members["evidence/summary.md"].decode()
     assert "| dpo | 0.5000 |" in summary and "![dpo_train_curves.png](curves/dpo_train_curves.png)" in summary
@@ -204,9 +225,9 @@ def test_leaks_refuse_the_bundle(tmp_path):
     assert token not in err and not (repo / "o/evidence.tar.gz").exists()
 
     log.write_text("\n".join(lines) + "\n")
-    params = yaml.safe_load((repo / "params.yaml").read_text())
-    params["ref"]["local_dir"] = str(repo.resolve() / "models/x")
-    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    # params.yaml's path values are written portably (test_absolute_source_paths_...); anything else is scanned
+    text = (repo / "params.yaml").read_text()
+    (repo / "params.yaml").write_text(f"# copied from {repo.resolve() / 'elsewhere/params.yaml'}\n" + text)
     rc, err = _report(repo, "o")
     assert rc != 0 and "evidence/params.yaml contains the absolute repository path" in err
 
@@ -238,8 +259,10 @@ def test_dvc_repro_lock_agrees_metrics_diff_plots_diff_and_rerun_identical(tmp_p
     repo.mkdir()
     sh(repo, "git", "init", "-q")
     sh(repo, "dvc", "init", "-q")
-    (repo / "params.yaml").write_text(yaml.safe_dump(small_params(seed=1)))
-    (repo / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml(), sort_keys=False))
+    params = small_params(seed=1)
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    write_sources(repo, params)
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml(params), sort_keys=False))
     (repo / ".gitignore").write_text("logs/\n")
     sh(repo, "dvc", "repro", "-q")
 
@@ -291,26 +314,31 @@ def test_dvc_repro_lock_agrees_metrics_diff_plots_diff_and_rerun_identical(tmp_p
 # verify: a reviewer checks someone else's bundle; tampered bundles are refused, naming the file
 # --------------------------------------------------------------------------------------------------
 
-def _verify(repo: Path, bundle: Path, *extra: str) -> tuple[int, str]:
-    r = subprocess.run([sys.executable, "-m", "stages.report", "verify", str(bundle), "--workspace", str(repo), *extra],
+def _verify(repo: Path, bundle: Path, *extra: str, workspace: bool = True) -> tuple[int, str]:
+    r = subprocess.run([sys.executable, "-m", "stages.report", "verify", str(bundle),
+                        *(["--workspace", str(repo)] if workspace else []), *extra],
                        cwd=repo, env=_env(), capture_output=True, text=True)
     return r.returncode, r.stdout + r.stderr
 
 
 def _rewrite(bundle: Path, out: Path, change, consistent: bool) -> Path:
-    """Apply `change(members)` and, when `consistent`, re-hash the manifest as a careful forger would, so
-    only the recomputations (metrics, workspace, environment) can catch it."""
+    """Apply `change(members)` (a member dict, the manifest parsed as "manifest") and, when `consistent`, re-hash
+    the manifest as a careful forger would, so only the recomputations (derived members, metrics, the layout,
+    params against the runs, workspace, environment) can catch it."""
     members = _members(bundle.read_bytes())
+    members["manifest"] = json.loads(members["evidence/manifest.json"])
     change(members)
+    manifest = members.pop("manifest")
+    members["evidence/manifest.json"] = ev.json_bytes(manifest)
     if consistent:
-        manifest = json.loads(members["evidence/manifest.json"])
         for e in manifest["artifacts"]:
             data = members.get(f"evidence/artifacts/{e['path']}")
             if e["packed"] and data is not None:
                 e.update(md5=hashlib.md5(data).hexdigest(), sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+        manifest["params_sha256"] = hashlib.sha256(members["evidence/params.yaml"]).hexdigest()
         manifest["members"] = {n: {"sha256": hashlib.sha256(d).hexdigest(), "size": len(d)}
                                for n, d in sorted(members.items()) if n != "evidence/manifest.json"}
-        members["evidence/manifest.json"] = rp._json_bytes(manifest)
+        members["evidence/manifest.json"] = ev.json_bytes(manifest)
     out.write_bytes(rp.deterministic_targz(members))
     return out
 
@@ -318,7 +346,7 @@ def _rewrite(bundle: Path, out: Path, change, consistent: bool) -> Path:
 def _edit_json(members: dict, name: str, edit) -> None:
     doc = json.loads(members[name])
     edit(doc)
-    members[name] = rp._json_bytes(doc)
+    members[name] = ev.json_bytes(doc)
 
 
 def test_verify_accepts_a_genuine_bundle_and_names_every_tampered_file(tmp_path):
@@ -376,12 +404,232 @@ def test_verify_reports_another_environment_and_can_require_the_same(tmp_path):
     rc, err = _report(repo, "o")
     assert rc == 0, err
 
-    def other_torch(m):
-        _edit_json(m, "evidence/environment.json", lambda d: d["record"]["packages"].__setitem__("torch", "2.11.0+cu130"))
+    def torch(record):
+        record["packages"].update(torch="2.11.0+cu130", matplotlib="3.0.0")
+
+    def other_torch(m):     # a bundle made elsewhere: its record, the runs' records and the packed record agree
+        _edit_json(m, "evidence/environment.json",
+                   lambda d: [torch(r) for r in (d["record"], *(run["record"] for run in d["training"].values()))])
+        _edit_json(m, "evidence/artifacts/results/env/environment.json", torch)
     forged = _rewrite(repo / "o/evidence.tar.gz", tmp_path / "env.tar.gz", other_torch, True)
-    rc, out = _verify(repo, forged)
-    assert rc == 0 and "ENV-DIFF environment: packages.torch: recorded '2.11.0+cu130', here " in out, out
-    rc, out = _verify(repo, forged, "--require-same-environment")
+    # the reviewer holds the bundle only (this workspace's run_info.json are this machine's)
+    rc, out = _verify(repo, forged, workspace=False)
+    assert rc == 0 and "ENV-DIFF environment: packages.matplotlib: recorded '3.0.0', here " in out, out
+    assert "; packages.torch: recorded '2.11.0+cu130', here " in out, out
+    # another matplotlib draws other pixels: the curves are not redrawn, and never said to match
+    assert "SKIPPED  evidence/curves/dpo_train_curves.png: drawn with matplotlib 3.0.0, this machine has " in out, out
+    assert "MATCH    evidence/curves/dpo_train_curves.png: redrawn" not in out, out
+    rc, out = _verify(repo, forged, "--require-same-environment", workspace=False)
     assert rc == 1 and "environment differs from this machine's" in out, out
     rc, out = _verify(repo, tmp_path / "absent.tar.gz")
     assert rc == 1 and "not a readable evidence bundle" in out, out
+
+
+# --------------------------------------------------------------------------------------------------
+# verify checks meaning (issue 26): consistent forgeries of derived members, a workspace missing an artifact,
+# absolute source paths
+# --------------------------------------------------------------------------------------------------
+
+def _genuine(root: Path, params: dict | None = None) -> tuple[Path, Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    repo = _inputs(root, params or small_params())
+    rc, err = _report(repo, "o")
+    assert rc == 0, err
+    return repo, repo / "o/evidence.tar.gz"
+
+
+def _replace_text(members: dict, name: str, old: str, new: str) -> None:
+    text = members[name].decode()
+    assert old in text, (name, old)
+    members[name] = text.replace(old, new, 1).encode()
+
+
+def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
+    """Each forgery's manifest is re-hashed as a forger would, so every hash matches: only remaking the derived
+    members, holding the manifest to the pipeline's layout and params.yaml to the runs catches them. They are caught
+    from the bundle alone (no --workspace): a reviewer needs nothing else."""
+    from stages.lib.evidence_verify import verify_bundle
+
+    repo, bundle = _genuine(tmp_path)
+    for workspace in (True, False):
+        rc, out = _verify(repo, bundle, workspace=workspace)
+        assert rc == 0 and " 0 differ," in out, out
+        for line in ("MATCH    evidence/summary.md: remade from the packed metrics",
+                     "MATCH    evidence/curves/dpo_train_curves.png: redrawn from results/train_dpo/train_log.csv",
+                     "MATCH    evidence/params.yaml (dpo run): the train settings",
+                     "MATCH    evidence/manifest.json artifacts: every artifact of the 9 stages before report",
+                     "MATCH    evidence/manifest.json evaluation", "MATCH    evidence/manifest.json curves",
+                     "MATCH    results/evaluate/bootstrap_summary.json (header)"):
+            assert line in out, (line, out)
+    assert "MATCH    evidence/environment.json: remade from the packed record and the workspace's run_info.json" \
+        in _verify(repo, bundle)[1]
+
+    dpo_row = next(r for r in (repo / "o/summary.md").read_text().splitlines() if r.startswith("| dpo |"))
+    final = dpo_row.split(" | ")[2].split(" [")[0]          # the final accuracy cell
+    cases = {
+        "summary": (lambda m: _replace_text(m, "evidence/summary.md", f"{dpo_row.split(' | ')[1]} | {final} [",
+                                            f"{dpo_row.split(' | ')[1]} | 0.9900 ["),
+                    "DIFFERS  evidence/summary.md: not what report writes from the bundle's metrics, bootstrap "
+                    f"summary and params: line 8: bundle '| dpo | "),
+        "params": (lambda m: _replace_text(m, "evidence/params.yaml", "lr: 0.0003", "lr: 0.001"),
+                   "DIFFERS  evidence/params.yaml (dpo run): train.lr: params.yaml 0.001, the dpo run trained with 0.0003"),
+        # a knob the runs do not record, but the probe manifests do
+        "probe_seed": (lambda m: _replace_text(m, "evidence/params.yaml", "seed: 20261202", "seed: 7777"),
+                       "DIFFERS  evidence/params.yaml (probe manifests): probe.seed: params.yaml 7777, the probe "
+                       "manifests record 20261202"),
+        "curve": (lambda m: m.__setitem__("evidence/curves/dpo_train_curves.png", m["evidence/curves/rm_train_curves.png"]),
+                  "DIFFERS  evidence/curves/dpo_train_curves.png: not the curves of results/train_dpo/train_log.csv"),
+        "model": (lambda m: m["manifest"].__setitem__("artifacts", [e for e in m["manifest"]["artifacts"]
+                                                                    if e["path"] != "results/train_dpo/model"]),
+                  "DIFFERS  evidence/manifest.json artifacts: missing: results/train_dpo/model (an artifact of train_dpo)"),
+        "evaluation": (lambda m: m["manifest"]["evaluation"].pop("dpo"),
+                       "DIFFERS  evidence/manifest.json evaluation: evaluation.dpo: manifest None, the packed files give "
+                       "{'metrics': 'metrics/dpo.json', 'final': 'results/train_dpo/probe_final.jsonl'"),
+    }
+    for name, (change, expect) in cases.items():
+        forged = _rewrite(bundle, tmp_path / f"{name}.tar.gz", change, consistent=True)
+        verdicts = verify_bundle(forged)
+        hashes = [r for r in verdicts.rows if r[1].startswith("evidence/") and r[2].startswith("sha256")]
+        assert hashes and all(status == "MATCH" for status, _, _ in hashes), (name, hashes)    # a careful forger's
+        out = "\n".join(verdicts.lines())
+        assert expect in out and verdicts.failed, (name, out)
+    rc, out = _verify(repo, tmp_path / "summary.tar.gz", workspace=False)     # the CLI's verdict: exit 1
+    assert rc == 1 and " 1 differ," in out, out
+
+
+def test_verify_with_a_workspace_refuses_a_missing_artifact(tmp_path):
+    """A crashed rerun or --forcerun deletes outputs: with --workspace that is a DIFFERS naming the stage to
+    rerun, not an unchecked artifact; SKIPPED only without --workspace."""
+    repo, bundle = _genuine(tmp_path)
+    shutil.rmtree(repo / "results/train_dpo/model")
+    (repo / "metrics/dpo.json").unlink()
+    rc, out = _verify(repo, bundle)
+    assert rc == 1, out
+    assert "DIFFERS  results/train_dpo/model: missing: rerun train_dpo" in out
+    assert "DIFFERS  metrics/dpo.json (workspace): missing: rerun evaluate" in out
+    rc, out = _verify(repo, bundle, workspace=False)
+    assert rc == 0 and "SKIPPED  results/train_dpo/model: hashed only" in out, out
+
+
+def test_verify_requires_the_artifacts_the_objective_implies(tmp_path):
+    """Reference-free DPO has no ref_logps stage: its bundle verifies without one, and one listed is refused."""
+    params = small_params()
+    params["dpo"]["objective"] = "dpo_ref_free"
+    repo, bundle = _genuine(tmp_path, params)
+    rc, out = _verify(repo, bundle)
+    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 8 stages before report" in out, out
+    rel = "results/ref_logps/ref_logps.parquet"
+    (repo / rel).parent.mkdir(parents=True)
+    (repo / rel).write_bytes(b"PAR1")
+    entry = {"path": rel, "role": "artifact", "packed": False, **rp.dvc_hash(repo / rel)}
+    forged = _rewrite(bundle, tmp_path / "ref.tar.gz", lambda m: m["manifest"]["artifacts"].append(entry), True)
+    rc, out = _verify(repo, forged)
+    assert rc == 1 and (f"DIFFERS  evidence/manifest.json artifacts: {rel}: not an artifact of the pipeline under "
+                        "these params (dpo.objective dpo_ref_free)") in out, out
+
+
+def test_report_refuses_sources_normalize_did_not_read(tmp_path):
+    """The manifest pins the files normalize read; params naming other sources (a typo'd path whose stage was
+    dropped, issue 26 item 1) would pin data the run never read: refused, naming the record."""
+    repo = _inputs(tmp_path, small_params())
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    params["data"]["sources"][0]["path"] = "data/typo.jsonl"
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    rc, err = _report(repo, "o")
+    assert rc == 1 and ("report: refused: results/normalize/normalize_stats.json: normalize read the sources "
+                        "['data/embedded/color_facts_prefs.jsonl.gz'], params.yaml names ['data/typo.jsonl']: "
+                        "rerun normalize") in err, err
+    assert not (repo / "o/evidence.tar.gz").exists()
+
+
+def test_portable_paths():
+    assert ev.portable_path("data/x.jsonl") == "data/x.jsonl"
+    assert ev.portable_path("../shared/data/x.jsonl.gz") == "../shared/data/x.jsonl.gz"     # relative: as written
+    assert ev.portable_path("/srv/hh/test.jsonl.gz") == "external:test.jsonl.gz"
+    assert ev.portable_path("/srv/hh/") == "external:hh"
+    assert ev.portable_path("/srv/hh/*/train-*.parquet") == "external:hh/*/train-*.parquet"
+    assert ev.portable_path("/srv/hh/a/train-0.parquet", "/srv/hh/*/train-*.parquet") == "external:hh/a/train-0.parquet"
+    assert ev.portable_path("/srv/hh/sub/x.jsonl", "/srv/hh") == "external:hh/sub/x.jsonl"
+    params = {"data": {"sources": [{"path": "/srv/a.jsonl", "format": "hh"}, {"path": "b.jsonl", "format": "hh"}]},
+              "ref": {"local_dir": "/models/tiny"}, "train": {"seed": 1}}
+    assert ev.portable_params(params) == {"data": {"sources": [{"path": "external:a.jsonl", "format": "hh"},
+                                                               {"path": "b.jsonl", "format": "hh"}]},
+                                          "ref": {"local_dir": "external:tiny"}, "train": {"seed": 1}}
+    assert ev.portable_params({"ref.local_dir": "x", "data": {"sources": []}}) == {"ref.local_dir": "x",
+                                                                                  "data": {"sources": []}}
+    with pytest.raises(ev.EvidenceError, match="could not be rewritten"):   # an escaped spelling is refused, not kept
+        ev.portable_params_text('ref: {local_dir: "/mod\\u0065ls/tiny"}\n', {"ref": {"local_dir": "/models/tiny"}})
+
+
+def test_absolute_source_paths_leave_the_bundle_named_by_their_pin(tmp_path):
+    """A data source (and a reference directory) outside the checkout, by absolute path: the bundle carries
+    `external:<name>` in params.yaml and pins the file by md5/sha256 in the manifest; no member holds the path."""
+    outside = tmp_path / "elsewhere" / "hh-test.jsonl"
+    params = small_params()
+    params["data"]["sources"] = [{"path": str(outside), "format": "trl"}]
+    params["ref"]["local_dir"] = str(tmp_path / "models" / "tiny")
+    repo, bundle = _genuine(tmp_path / "repo", params)
+    members = _members(bundle.read_bytes())
+    _leak_scan(members, repo)
+    for name, data in members.items():
+        assert str(tmp_path).encode() not in data, f"{name} carries an absolute path"
+    text = (repo / "params.yaml").read_text()
+    assert members["evidence/params.yaml"].decode() == ev.PORTABLE_NOTE + text.replace(
+        str(outside), "external:hh-test.jsonl").replace(str(tmp_path / "models" / "tiny"), "external:tiny")
+    data = outside.read_bytes()
+    (source,) = json.loads(members["evidence/manifest.json"])["sources"]
+    assert source == {"name": "source0", "path": "external:hh-test.jsonl",
+                      "files": [{"path": "external:hh-test.jsonl", "md5": hashlib.md5(data).hexdigest(),
+                                 "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}]}
+    rc, out = _verify(repo, bundle)
+    assert rc == 0 and "MATCH    evidence/manifest.json sources: 1 file(s) of 1 source(s)" in out, out
+    # without dvc.lock nothing says where external:hh-test.jsonl lives on this machine
+    assert "SKIPPED  source external:hh-test.jsonl: not in the workspace" in out, out
+
+    # the pin and params.yaml's path must agree: a forged name is refused
+    forged = _rewrite(bundle, tmp_path / "renamed.tar.gz",
+                      lambda m: _replace_text(m, "evidence/params.yaml", "external:hh-test.jsonl", "external:other.jsonl"),
+                      consistent=True)
+    rc, out = _verify(repo, forged, workspace=False)
+    assert rc == 1 and "DIFFERS  evidence/manifest.json sources: not params.yaml's data.sources" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("dvc") is None or shutil.which("git") is None, reason="needs dvc and git")
+def test_verify_holds_params_and_sources_to_the_workspace_dvc_lock(tmp_path):
+    """A real `dvc repro` records params and the absolute source path in dvc.lock; verify --workspace compares them
+    with the bundle's portable params.yaml and pins, and catches what the bundle alone cannot: a params.yaml forged
+    together with the runs' settings, and a source file changed since the run."""
+    outside = tmp_path / "elsewhere" / "hh-test.jsonl"
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    sh(repo, "git", "init", "-q")
+    sh(repo, "dvc", "init", "-q")
+    params = small_params()
+    params["data"]["sources"] = [{"path": str(outside), "format": "trl"}]
+    (repo / "params.yaml").write_text(yaml.safe_dump(params))
+    write_sources(repo, params)
+    (repo / "dvc.yaml").write_text(yaml.safe_dump(dvc_yaml(params), sort_keys=False))
+    (repo / ".gitignore").write_text("logs/\n")
+    sh(repo, "dvc", "repro", "-q")
+    bundle = repo / "results/report/evidence.tar.gz"
+    rc, out = _verify(repo, bundle)
+    assert rc == 0, out
+    assert "MATCH    source external:hh-test.jsonl (dvc.lock): dvc.lock md5" in out
+    assert "MATCH    source external:hh-test.jsonl: workspace md5" in out
+    assert "MATCH    evidence/params.yaml (dvc.lock): the " in out
+    assert "MATCH    results/train_dpo/model (dvc.lock)" in out
+
+    def reseeded(m):        # params.yaml and the runs' recorded settings, consistently
+        _replace_text(m, "evidence/params.yaml", "seed: 1234", "seed: 99")
+        _edit_json(m, "evidence/environment.json",
+                   lambda d: [run["settings"].__setitem__("seed", 99) for run in d["training"].values()])
+    forged = _rewrite(bundle, tmp_path / "seed.tar.gz", reseeded, consistent=True)
+    assert _verify(repo, forged, workspace=False)[0] == 0       # the bundle alone cannot tell
+    rc, out = _verify(repo, forged)
+    assert rc == 1 and "DIFFERS  evidence/params.yaml (dvc.lock): train.seed: params.yaml 99, dvc.lock (synth) 1234" in out
+    assert "DIFFERS  evidence/environment.json: not what report writes from the record and the workspace's run_info" in out
+
+    outside.write_text(outside.read_text() + json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n")
+    rc, out = _verify(repo, bundle)
+    assert rc == 1 and "DIFFERS  source external:hh-test.jsonl: workspace md5" in out and "the data changed" in out

@@ -1,4 +1,5 @@
-# Shared by every rule file: artifact paths (one place, so rules and tests agree on names).
+# Shared by every rule file. Artifact paths come from stages/lib/layout.py (OUT[stage][output name]): one
+# list that the rules, the evidence bundle and `report verify` read, so they cannot disagree.
 
 import sys
 from pathlib import Path
@@ -13,18 +14,19 @@ for _path in (_REPO, str(Path(_REPO) / "workflow")):
 # A rule's code inputs are computed from its stage module's imports (workflow/code_deps.py): every
 # stages/ file the stage runs, so editing one reruns exactly the stages that import it.
 from code_deps import code_deps
+from stages.lib.layout import STAGE_OUTPUTS as OUT, uses_ref_logps
 
-RESULTS = "results"
 LOGS = "logs"
 
 # Final artifacts requested by `rule all`; extended as stages land.
 FINAL_TARGETS = [
-    f"{RESULTS}/report/evidence.tar.gz",
+    OUT["report"]["bundle"],
 ]
 
 
 # The environment record (rule `environment`): an input of every stage, since every artifact's bytes
 # depend on library versions (parquet writers, tokenizers, RNGs, kernels) and the numeric ones on the
 # CPU dispatch / GPU as well. The lock is the environment the README installs.
-ENV_RECORD = f"{RESULTS}/env/environment.json"
+ENV_RECORD = OUT["environment"]["record"]
 LOCK = "requirements/lock.txt"
+

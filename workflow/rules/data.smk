@@ -12,9 +12,9 @@ rule normalize:
         sources=[f for _, files in resolve_source_files(config["data"]["sources"]) for f in files],
         code=code_deps("stages.normalize"),
     output:
-        pairs=f"{RESULTS}/normalize/pairs.parquet",
-        rejections=f"{RESULTS}/normalize/rejections.parquet",
-        stats=f"{RESULTS}/normalize/normalize_stats.json",
+        pairs=OUT["normalize"]["pairs"],
+        rejections=OUT["normalize"]["rejections"],
+        stats=OUT["normalize"]["stats"],
     params:
         data=config["data"],
     conda:
@@ -34,9 +34,9 @@ rule freeze_probe:
         pairs=rules.normalize.output.pairs,
         code=code_deps("stages.freeze_probe"),
     output:
-        train=f"{RESULTS}/probe/train.parquet",
-        probe=f"{RESULTS}/probe/probe.parquet",
-        manifest=f"{RESULTS}/probe/probe_manifest.json",
+        train=OUT["freeze_probe"]["train"],
+        probe=OUT["freeze_probe"]["probe"],
+        manifest=OUT["freeze_probe"]["manifest"],
     params:
         probe=config["probe"],
     conda:

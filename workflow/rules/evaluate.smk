@@ -16,9 +16,9 @@ rule evaluate:
         rm_final=RM_OUT.probe_final,
         code=code_deps("stages.evaluate"),
     output:
-        metrics_dpo="metrics/dpo.json",
-        metrics_rm="metrics/rm.json",
-        bootstrap=f"{RESULTS}/evaluate/bootstrap_summary.json",
+        metrics_dpo=OUT["evaluate"]["metrics_dpo"],
+        metrics_rm=OUT["evaluate"]["metrics_rm"],
+        bootstrap=OUT["evaluate"]["bootstrap"],
     params:
         evaluate=config["evaluate"],
         probe__size=config["probe"]["size"],
@@ -63,12 +63,16 @@ rule report:
         dpo_run_info=DPO_OUT.run_info,
         rm_run_info=RM_OUT.run_info,
         probe_manifests=[rules.freeze_probe.output.manifest, rules.tokenize.output.probe_token_manifest],
+        # The source files normalize read: the manifest names each by its hashes (normalize_stats.json says
+        # which files each source named), so the bundle is rebuilt when a source's bytes change.
+        normalize_stats=rules.normalize.output.stats,
+        sources=rules.normalize.input.sources,
         # report's `verify` recomputes metrics with lib/scoring.py (evaluate's code) and the environment with lib's.
         code=code_deps("stages.report"),
     output:
-        bundle=f"{RESULTS}/report/evidence.tar.gz",
-        summary=f"{RESULTS}/report/summary.md",
-        curves=directory(f"{RESULTS}/report/curves"),
+        bundle=OUT["report"]["bundle"],
+        summary=OUT["report"]["summary"],
+        curves=directory(OUT["report"]["curves"]),
     params:
         # The bundle carries params.yaml itself, so every section is a dependency.
         data=config["data"],
@@ -91,4 +95,5 @@ rule report:
         " --train-log dpo={input.dpo_log} rm={input.rm_log}"
         " --run-info dpo={input.dpo_run_info} rm={input.rm_run_info}"
         " --environment {input.environment} --probe-manifests {input.probe_manifests}"
+        " --normalize-stats {input.normalize_stats}"
         " --bundle {output.bundle} --summary {output.summary} --curves-dir {output.curves} --log {log}"

@@ -9,7 +9,7 @@ rule verify_ref:
         lock=[f"{config['ref']['local_dir']}/prefpipe.lock.json"] if config["ref"]["source"] == "local" else [],
         code=code_deps("stages.verify_ref"),
     output:
-        identity=f"{RESULTS}/ref/ref_identity.json",
+        identity=OUT["verify_ref"]["identity"],
     params:
         ref=config["ref"],
     conda:
@@ -31,11 +31,11 @@ rule tokenize:
         manifest=rules.freeze_probe.output.manifest,
         code=code_deps("stages.tokenize"),
     output:
-        train_tokens=f"{RESULTS}/tokens/train_tokens.parquet",
-        probe_tokens=f"{RESULTS}/tokens/probe_tokens.parquet",
-        probe_token_manifest=f"{RESULTS}/tokens/probe_token_manifest.json",
-        report=f"{RESULTS}/tokens/tokenize_report.json",
-        rejections=f"{RESULTS}/tokens/token_rejections.parquet",
+        train_tokens=OUT["tokenize"]["train_tokens"],
+        probe_tokens=OUT["tokenize"]["probe_tokens"],
+        probe_token_manifest=OUT["tokenize"]["probe_token_manifest"],
+        report=OUT["tokenize"]["report"],
+        rejections=OUT["tokenize"]["rejections"],
     params:
         tokenize=config["tokenize"],
     # The stage runs tokenize.workers processes (0 = all cores); Snakemake caps threads at --cores.

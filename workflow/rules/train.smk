@@ -19,7 +19,7 @@ LAUNCH = torchrun_launch(NPROC, nodes=SLURM["nodes"], rdzv_port=SLURM["rdzv_port
 TRAIN_RESOURCES = train_resources(TRAIN["gpus"], NPROC, TRAIN["cpu_threads"], SLURM)
 TOKENS = rules.tokenize.output
 # Reference-free DPO never reads reference log-probs, so it does not wait for (or rerun with) them.
-USES_REF_LOGPS = config["dpo"]["objective"] == "dpo"
+USES_REF_LOGPS = uses_ref_logps(config)
 
 
 rule ref_logps:
@@ -30,7 +30,7 @@ rule ref_logps:
         identity=rules.verify_ref.output.identity,
         code=code_deps("stages.ref_logps"),
     output:
-        ref_logps=f"{RESULTS}/ref_logps/ref_logps.parquet",
+        ref_logps=OUT["ref_logps"]["ref_logps"],
     params:
         cli_launch=LAUNCH,
         # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
@@ -69,11 +69,11 @@ rule train_dpo:
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
         code=code_deps("stages.train_dpo"),
     output:
-        model=directory(f"{RESULTS}/train_dpo/model"),
-        plots_train_log=f"{RESULTS}/train_dpo/train_log.csv",
-        run_info=f"{RESULTS}/train_dpo/run_info.json",
-        probe_step0=f"{RESULTS}/train_dpo/probe_step0.jsonl",
-        probe_final=f"{RESULTS}/train_dpo/probe_final.jsonl",
+        model=directory(OUT["train_dpo"]["model"]),
+        plots_train_log=OUT["train_dpo"]["plots_train_log"],
+        run_info=OUT["train_dpo"]["run_info"],
+        probe_step0=OUT["train_dpo"]["probe_step0"],
+        probe_final=OUT["train_dpo"]["probe_final"],
     params:
         cli_launch=LAUNCH,
         train=config["train"],
@@ -105,11 +105,11 @@ rule train_rm:
         identity=rules.verify_ref.output.identity,
         code=code_deps("stages.train_rm"),
     output:
-        model=directory(f"{RESULTS}/train_rm/model"),
-        plots_train_log=f"{RESULTS}/train_rm/train_log.csv",
-        run_info=f"{RESULTS}/train_rm/run_info.json",
-        probe_step0=f"{RESULTS}/train_rm/probe_step0.jsonl",
-        probe_final=f"{RESULTS}/train_rm/probe_final.jsonl",
+        model=directory(OUT["train_rm"]["model"]),
+        plots_train_log=OUT["train_rm"]["plots_train_log"],
+        run_info=OUT["train_rm"]["run_info"],
+        probe_step0=OUT["train_rm"]["probe_step0"],
+        probe_final=OUT["train_rm"]["probe_final"],
     params:
         cli_launch=LAUNCH,
         train=config["train"],

@@ -1,0 +1,512 @@
+"""`python -m stages.report verify`: check what an evidence bundle means, not only that its hashes add up.
+
+A forger can recompute every hash of a manifest, so hashes prove only that the bundle is self-consistent. The
+checks below also hold each member to what it was made from:
+  - members and packed artifacts against the manifest's sha256/md5 (a careless edit);
+  - the manifest against the pipeline: every artifact of every stage the params imply (stages/lib/layout.py) is
+    listed, nothing else; `evaluation` and `curves` are what the packed files and the layout give;
+  - derived members remade with report's own functions (stages/lib/evidence.py) and compared byte for byte:
+    summary.md, the curve PNGs (SKIPPED, never MATCH, when this matplotlib is not the one that drew them),
+    environment.json; metrics and bootstrap bounds recomputed from the per-pair rows by evaluate's code;
+  - params.yaml: valid, the settings and objective each run recorded, the data sources the manifest pins;
+  - with --workspace DIR: every artifact present and equal in DIR (a missing one DIFFERS, naming the stage to
+    rerun), dvc.lock recording the same hashes and the same params (absolute paths compared portably), the
+    source files normalize read pinned as the manifest says, environment.json remade from DIR's run_info.json.
+Without --workspace, hashed-only artifacts and source files are SKIPPED: only the bundle can be checked.
+About 500 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
+                                 dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
+                                 portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
+from stages.lib.io import MD5, hash_bytes, hash_file, sha256_bytes
+from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
+
+FLOAT_REL_TOL = 1e-9     # recomputed float64 metrics: same numpy reduction order, only last-bit slack
+MANIFEST = f"{BUNDLE_ROOT}/manifest.json"
+PARAMS = f"{BUNDLE_ROOT}/params.yaml"
+ENVIRONMENT = f"{BUNDLE_ROOT}/environment.json"
+SUMMARY = f"{BUNDLE_ROOT}/summary.md"
+
+
+class Verdicts:
+    """Each check's outcome, printed as `MATCH|DIFFERS|SKIPPED  what: detail`."""
+
+    def __init__(self) -> None:
+        self.rows: list[tuple[str, str, str]] = []
+
+    def add(self, ok: bool | None, what: str, detail: str = "") -> None:
+        self.rows.append(("SKIPPED" if ok is None else "MATCH" if ok else "DIFFERS", what, detail))
+
+    def diffs(self, what: str, diffs: list[str], ok_detail: str) -> None:
+        self.add(not diffs, what, ok_detail if not diffs else "; ".join(diffs[:5]) + (
+            f"; and {len(diffs) - 5} more" if len(diffs) > 5 else ""))
+
+    @property
+    def failed(self) -> list[tuple[str, str, str]]:
+        return [r for r in self.rows if r[0] == "DIFFERS"]
+
+    def lines(self) -> list[str]:
+        return [f"{status:<8} {what}" + (f": {detail}" if detail else "") for status, what, detail in self.rows]
+
+
+class _Bundle:
+    """The bundle's members, its manifest and its params, with the lookups the checks share."""
+
+    def __init__(self, members: dict[str, bytes], manifest: dict, params: dict) -> None:
+        self.members, self.manifest, self.params = members, manifest, params
+        self.artifacts = {e["path"]: e for e in manifest.get("artifacts") or [] if isinstance(e, dict) and "path" in e}
+        self.packed_paths = sorted(p for p, e in self.artifacts.items() if e.get("packed"))
+        # Derived from the packed paths, never read from the manifest: a forger cannot skip a recomputation.
+        self.evaluation = evaluation_map(self.packed_paths)
+
+    def packed(self, rel: str | None) -> bytes | None:
+        return self.members.get(f"{BUNDLE_ROOT}/artifacts/{rel}") if rel in self.packed_paths else None
+
+    def packed_json(self, rel: str | None) -> Any:
+        data = self.packed(rel)
+        return json.loads(data) if data is not None else None
+
+    def environment(self) -> dict:
+        data = self.members.get(ENVIRONMENT)
+        return json.loads(data) if data else {}
+
+
+class _Workspace:
+    """DIR and what its dvc.lock records: {out path: md5}, {stage: {param key: value}}, {stage: deps}."""
+
+    def __init__(self, root: str | os.PathLike) -> None:
+        import yaml
+        self.root = Path(root)
+        self.lock_problem: str | None = None
+        self.outs: dict[str, str] = {}
+        self.params: dict[str, dict] = {}
+        self.deps: dict[str, list[dict]] = {}
+        lock = self.root / "dvc.lock"
+        if not lock.is_file():
+            self.lock_problem = "not in the workspace"
+            return
+        try:
+            doc = yaml.safe_load(lock.read_text(encoding="utf-8"))
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            self.lock_problem = f"not readable YAML ({str(e).splitlines()[0]})"
+            return
+        if not isinstance(doc, dict) or not isinstance(doc.get("stages"), dict):
+            self.lock_problem = "empty or without stages"
+            return
+        for name, stage in doc["stages"].items():
+            for o in stage.get("outs") or []:
+                if "md5" in o:
+                    self.outs[o["path"]] = o["md5"]
+            self.params[name] = (stage.get("params") or {}).get("params.yaml") or {}
+            self.deps[name] = stage.get("deps") or []
+
+    @property
+    def has_lock(self) -> bool:
+        return self.lock_problem is None
+
+
+def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None = None) -> Verdicts:
+    """Every check above, in order; a bundle whose manifest or params cannot be read stops after saying so."""
+    v = Verdicts()
+    members = read_bundle(bundle)
+    if MANIFEST not in members:
+        v.add(False, MANIFEST, "missing")
+        return v
+    try:
+        manifest = json.loads(members[MANIFEST])
+    except json.JSONDecodeError as e:
+        v.add(False, MANIFEST, f"not JSON: {e}")
+        return v
+    if not _guarded(v, bundle, _check_members, members, manifest):
+        return v
+    if manifest.get("format") != FORMAT:
+        v.add(False, MANIFEST, f"format {manifest.get('format')!r}: this verify checks {FORMAT} bundles "
+              "(remake the bundle with this checkout's report stage)")
+        return v
+    params = _bundle_params(v, members.get(PARAMS))
+    if params is None:
+        return v
+    b = _Bundle(members, manifest, params)
+    ws = _Workspace(workspace) if workspace is not None else None
+    for check, args in ((_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
+                        (_check_sources, (ws,)), (_check_evaluation, ()), (_check_derived, (ws,)),
+                        (_check_environment, ())):
+        _guarded(v, bundle, check, b, *args)
+    return v
+
+
+def _guarded(v: Verdicts, bundle, check, *args) -> bool:
+    """Run one check; a member or manifest entry of an unexpected shape is a verdict on the bundle, not a traceback."""
+    try:
+        check(v, *args)
+        return True
+    except (KeyError, IndexError, TypeError, AttributeError, ValueError, UnicodeDecodeError) as e:
+        v.add(False, str(bundle), f"malformed where {check.__name__.strip('_')} looks ({type(e).__name__}: {e})")
+        return False
+
+
+def _check_members(v: Verdicts, members: dict[str, bytes], manifest: dict) -> None:
+    """Every member listed with its sha256, nothing extra."""
+    listed = manifest.get("members", {})
+    for name in sorted(set(listed) | set(members) - {MANIFEST}):
+        if name not in members:
+            v.add(False, name, "listed in the manifest, missing from the bundle")
+        elif name not in listed:
+            v.add(False, name, "in the bundle, not listed in the manifest")
+        else:
+            got = sha256_bytes(members[name])
+            v.add(got == listed[name]["sha256"] and len(members[name]) == listed[name]["size"], name,
+                  f"sha256 {got[:16]}…" if got == listed[name]["sha256"] else
+                  f"sha256 {got} != manifest {listed[name]['sha256']}")
+    v.add(sha256_bytes(members.get(PARAMS, b"")) == manifest.get("params_sha256"), PARAMS,
+          "params_sha256 of the manifest")
+
+
+def _bundle_params(v: Verdicts, data: bytes | None) -> dict | None:
+    import yaml
+    from stages.lib.params import ParamsError, validate_params
+    try:
+        params = yaml.safe_load(data or b"")
+        validate_params(params if isinstance(params, dict) else {}, PARAMS)
+        return params
+    except (yaml.YAMLError, ParamsError) as e:
+        v.add(False, PARAMS, " ".join(str(e).split()))
+        return None
+
+
+# --------------------------------------------------------------------------------------------------
+# The manifest against the pipeline's layout
+# --------------------------------------------------------------------------------------------------
+
+def _check_layout(v: Verdicts, b: _Bundle) -> None:
+    required = bundle_artifacts(b.params)
+    missing = [f"{path} (an artifact of {stage})" for path, stage in sorted(required.items()) if path not in b.artifacts]
+    extra = sorted(set(b.artifacts) - set(required))
+    v.diffs(f"{MANIFEST} artifacts", [f"missing: {m}" for m in missing] + [
+        f"{p}: not an artifact of the pipeline under these params (dpo.objective {b.params['dpo']['objective']})"
+        for p in extra], f"every artifact of the {len({s for s in required.values()})} stages before report")
+
+    declared, derived = b.manifest.get("evaluation") or {}, b.evaluation
+    diffs = [f"evaluation.{k}: manifest {declared.get(k)!r}, the packed files give {derived.get(k)!r}"
+             for k in sorted(set(declared) | set(derived)) if declared.get(k) != derived.get(k)]
+    for label in TRAINED:
+        if not {"step0", "final", "metrics"} <= set(derived.get(label, {})):
+            diffs.append(f"evaluation.{label}: the bundle packs no per-pair rows and metrics for {label}")
+    if not {"probe_manifest", "probe_token_manifest", "bootstrap_summary"} <= set(derived.get("probe", {})):
+        diffs.append("evaluation.probe: the bundle packs no probe manifests and bootstrap summary")
+    v.diffs(f"{MANIFEST} evaluation", diffs, "the packed per-pair rows, metrics and manifests of every model")
+
+    expected = {curve_name(label): {"label": label, "train_log": STAGE_OUTPUTS[stage]["plots_train_log"]}
+                for label, stage in TRAINED.items()}
+    drawn = {name[len(f"{BUNDLE_ROOT}/curves/"):] for name in b.members if name.startswith(f"{BUNDLE_ROOT}/curves/")}
+    declared = b.manifest.get("curves") or {}
+    diffs = [f"curves.{n}: manifest {declared.get(n)!r}, the pipeline draws {expected.get(n)!r}"
+             for n in sorted(set(declared) | set(expected)) if declared.get(n) != expected.get(n)]
+    diffs += [f"curves/{n}: a member no curve of the manifest names" for n in sorted(drawn - set(declared))]
+    v.diffs(f"{MANIFEST} curves", diffs, "one curve per trained model, from its train log")
+
+
+# --------------------------------------------------------------------------------------------------
+# Artifacts: packed ones against the bundle; with a workspace, every one against DIR and its dvc.lock
+# --------------------------------------------------------------------------------------------------
+
+def _same_md5(v: Verdicts, what: str, where: str, got: str | None, want: str | None, absent: str = "",
+              why: str = "") -> None:
+    """`<where> md5 X` when it is the manifest's, `... != manifest Y<why>` when not; `absent` when got is None."""
+    v.add(got is not None and got == want, what, absent if got is None else
+          f"{where} md5 {got}" + ("" if got == want else f" != manifest {want}{why}"))
+
+
+def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+    stage_of = bundle_artifacts(b.params)
+    for rel, e in sorted(b.artifacts.items()):
+        if e.get("packed"):
+            data = b.packed(rel)
+            if data is None:
+                v.add(False, rel, "packed artifact missing from the bundle")
+            else:
+                md5, sha = hash_bytes(data, MD5), sha256_bytes(data)
+                ok = md5 == e.get("md5") and sha == e.get("sha256") and len(data) == e.get("size")
+                v.add(ok, rel, f"md5 {md5}" if ok else f"md5 {md5} / sha256 {sha} != manifest {e.get('md5')} / "
+                      f"{e.get('sha256')}")
+        elif ws is None:
+            v.add(None, rel, "hashed only: give --workspace DIR to check it against DIR")
+    if ws is None:
+        return
+    present = sorted(rel for rel in b.artifacts if (ws.root / rel).exists())
+    got = dict(zip(present, dvc_hashes([ws.root / rel for rel in present])))
+    for rel, e in sorted(b.artifacts.items()):
+        what = f"{rel} (workspace)" if e.get("packed") else rel
+        if rel not in got:
+            # A deleted output (a crashed rerun, --forcerun) is not "unchecked": the workspace is not the run.
+            v.add(False, what, f"missing: rerun {stage_of.get(rel, 'the pipeline')}")
+        else:
+            _same_md5(v, what, "workspace", got[rel]["md5"], e.get("md5"))
+        if ws.has_lock:
+            _same_md5(v, f"{rel} (dvc.lock)", "dvc.lock", ws.outs.get(rel), e.get("md5"), "not recorded in dvc.lock")
+    if not ws.has_lock:
+        v.add(None, f"{ws.root / 'dvc.lock'}", f"{ws.lock_problem}: recorded hashes and params not checked")
+
+
+# --------------------------------------------------------------------------------------------------
+# params.yaml against the runs' settings, dvc.lock's params and the pinned sources
+# --------------------------------------------------------------------------------------------------
+
+def _lookup(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return _ABSENT
+        tree = tree[part]
+    return tree
+
+
+_ABSENT = object()
+
+
+def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+    training = b.environment().get("training") or {}
+    # A run's settings are its TrainSettings record: params.yaml's `train`, with no `adapter` key for a full fine-tune.
+    train = {k: val for k, val in b.params["train"].items() if not (k == "adapter" and val is None)}
+    for label in TRAINED:
+        run = training.get(label)
+        if not isinstance(run, dict) or "settings" not in run:
+            v.add(False, f"{PARAMS} ({label} run)", f"environment.json records no settings for the {label} run")
+            continue
+        settings = run["settings"]
+        diffs = [f"train.{k}: params.yaml {train.get(k, '(absent)')!r}, the {label} run trained with "
+                 f"{settings.get(k, '(absent)')!r}" for k in sorted(set(train) | set(settings))
+                 if train.get(k, _ABSENT) != settings.get(k, _ABSENT)]
+        if label == "dpo" and run.get("objective") != b.params["dpo"]["objective"]:
+            diffs.append(f"dpo.objective: params.yaml {b.params['dpo']['objective']!r}, the run's "
+                         f"{run.get('objective')!r}")
+        v.diffs(f"{PARAMS} ({label} run)", diffs, "the train settings (and objective) the run recorded")
+    # The probe and its tokens record the knobs they were made with (probe manifests, packed).
+    probe = b.evaluation.get("probe", {})
+    pm, tm = b.packed_json(probe.get("probe_manifest")), b.packed_json(probe.get("probe_token_manifest"))
+    recorded = {**({f"probe.{k}": pm.get(k) for k in ("size", "seed")} if isinstance(pm, dict) else {}),
+                **({f"tokenize.{k}": val for k, val in tm["limits"].items()}
+                   if isinstance(tm, dict) and isinstance(tm.get("limits"), dict) else {})}
+    if recorded:                                # absent manifests: _check_layout said so
+        v.diffs(f"{PARAMS} (probe manifests)",
+                [f"{k}: params.yaml {_lookup(b.params, k)!r}, the probe manifests record {val!r}"
+                 for k, val in recorded.items() if _lookup(b.params, k) != val],
+                "probe size and seed" + (", tokenize limits" if any(k.startswith("tokenize.") for k in recorded)
+                                         else "") + " as the probe manifests record them")
+    if ws is None or not ws.has_lock:
+        return
+    diffs, n = [], 0
+    for stage, lock_params in sorted(ws.params.items()):
+        for key, value in sorted(lock_params.items()):
+            nested: dict = {}
+            node = nested
+            *parents, leaf = key.split(".")
+            for part in parents:
+                node = node.setdefault(part, {})
+            node[leaf] = value
+            want, have = _lookup(portable_params(nested), key), _lookup(b.params, key)
+            n += 1
+            if want != have:
+                diffs.append(f"{key}: params.yaml {'(absent)' if have is _ABSENT else repr(have)}, "
+                             f"dvc.lock ({stage}) {want!r}")
+    v.diffs(f"{PARAMS} (dvc.lock)", diffs, f"the {n} params dvc.lock records, stage by stage")
+
+
+def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+    """The manifest's `sources` are params.yaml's, in order, each file pinned; with DIR, dvc.lock's normalize deps
+    (mapped to the same portable names) carry the same md5, and the files DIR holds hash to it."""
+    sources, wanted = b.manifest.get("sources"), b.params["data"]["sources"]
+    if not isinstance(sources, list) or not all(isinstance(s, dict) and s.get("files") for s in sources) or \
+            [s.get("path") for s in sources] != [s["path"] for s in wanted]:
+        v.add(False, f"{MANIFEST} sources", f"not params.yaml's data.sources {[s['path'] for s in wanted]}, "
+              "each with the files it named")
+        return
+    v.add(True, f"{MANIFEST} sources", f"{sum(len(s['files']) for s in sources)} file(s) of "
+          f"{len(sources)} source(s) pinned by md5 and sha256")
+    if ws is None:
+        return
+    lock_sources = (_lookup(ws.params.get("normalize", {}).get("data"), "sources")
+                    if ws.has_lock else _ABSENT)
+    if not isinstance(lock_sources, list) or len(lock_sources) != len(sources):
+        lock_sources = None
+    for k, src in enumerate(sources):
+        lock_path = lock_sources[k]["path"] if lock_sources else None
+        by_name = {} if lock_path is None else {portable_path(d["path"], lock_path): d
+                                                  for d in ws.deps.get("normalize", [])}
+        for f in src["files"]:
+            what = f"source {f['path']}"
+            dep = by_name.get(f["path"])
+            if ws.has_lock:
+                _same_md5(v, f"{what} (dvc.lock)", "dvc.lock", dep and dep.get("md5"), f.get("md5"),
+                          "not a normalize dep in dvc.lock")
+            local = Path(dep["path"]) if dep is not None else Path(f["path"])
+            local = local if local.is_absolute() else ws.root / local
+            if (f["path"].startswith(EXTERNAL) and dep is None) or not local.is_file():
+                v.add(None, what, "not in the workspace: not hashed")
+                continue
+            _same_md5(v, what, "workspace", hash_file(local, (MD5,))[1][MD5], f.get("md5"),
+                      why=": the data changed since the run")
+
+
+# --------------------------------------------------------------------------------------------------
+# Metrics and bootstrap bounds, recomputed from the per-pair rows by evaluate's own code
+# --------------------------------------------------------------------------------------------------
+
+def _numbers_agree(a: Any, b: Any, where: str, out: list[str], skip=("distribution_sha256",)) -> None:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b)):
+            if k in skip:
+                continue
+            if k not in a or k not in b:
+                out.append(f"{where}.{k}: {'missing in the bundle' if k not in a else 'not recomputed'}")
+            else:
+                _numbers_agree(a[k], b[k], f"{where}.{k}", out, skip)
+    elif isinstance(a, float) or isinstance(b, float):
+        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and \
+            math.isclose(a, b, rel_tol=FLOAT_REL_TOL, abs_tol=1e-12)
+        if not ok:
+            out.append(f"{where}: bundle {a!r}, recomputed {b!r}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _numbers_agree(x, y, f"{where}[{i}]", out, skip)
+    elif a != b:
+        out.append(f"{where}: bundle {a!r}, recomputed {b!r}")
+
+
+def _check_evaluation(v: Verdicts, b: _Bundle) -> None:
+    from stages.lib import scoring
+    from stages.lib.contracts import PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCHEMA, shape_problem
+
+    probe = b.evaluation.get("probe", {})
+    pm, tm = b.packed_json(probe.get("probe_manifest")), b.packed_json(probe.get("probe_token_manifest"))
+    boot = b.packed_json(probe.get("bootstrap_summary"))
+    for rel, obj, schema, what in ((probe.get("probe_manifest"), pm, PROBE_MANIFEST_SCHEMA, "probe manifest"),
+                                   (probe.get("probe_token_manifest"), tm, PROBE_TOKEN_MANIFEST_SCHEMA,
+                                    "probe token manifest")):
+        if obj is not None and (problem := shape_problem(obj, schema)) is not None:
+            v.add(False, rel, f"not a valid {what} ({problem})")
+            return
+    if pm is None or tm is None:
+        return                                  # _check_layout said which files the bundle lacks
+    ev = b.params["evaluate"]
+    record = b.environment().get("record") or {}
+    if boot is not None:
+        # The bootstrap summary's own header: the params it ran with, the probe it scored, the bytes it read.
+        expect = {"replicates": ev["bootstrap_replicates"], "seed": ev["seed"], "confidence": ev["confidence"],
+                  "probe_digest": pm["probe_digest"], "token_digest": tm.get("token_digest"),
+                  "numpy_version": (record.get("packages") or {}).get("numpy", boot.get("numpy_version")),
+                  "inputs_sha256": {"probe_manifest": sha256_bytes(b.packed(probe["probe_manifest"])),
+                                    "probe_token_manifest": sha256_bytes(b.packed(probe["probe_token_manifest"])),
+                                    **{f"{kind}_{which}": sha256_bytes(b.packed(b.evaluation[kind][which]) or b"")
+                                       for kind in TRAINED if kind in b.evaluation
+                                       for which in ("step0", "final") if which in b.evaluation[kind]}}}
+        v.diffs(f"{probe['bootstrap_summary']} (header)",
+                [f"{k}: bundle {boot.get(k)!r}, expected {want!r}" for k, want in expect.items() if boot.get(k) != want],
+                "params, probe digests, numpy and the sha256 of the per-pair files it read")
+    for kind in TRAINED:
+        files = b.evaluation.get(kind, {})
+        if not {"step0", "final", "metrics"} <= set(files):
+            continue                            # _check_layout reported it
+        rows = {which: [json.loads(line) for line in b.packed(files[which]).decode("utf-8").splitlines()
+                        if line.strip()] for which in ("step0", "final")}
+        try:
+            metrics, summary = scoring.evaluate_model(kind, rows["step0"], rows["final"], pm, tm, b.params,
+                                                       files["step0"], files["final"])
+        except (scoring.ProbeMismatchError, scoring.PerPairFileError, KeyError, ValueError) as e:
+            v.add(False, f"metrics ({kind})", f"per-pair rows refused by evaluate: {e}")
+            continue
+        diffs: list[str] = []
+        _numbers_agree(b.packed_json(files["metrics"]), metrics, files["metrics"], diffs)
+        v.diffs(files["metrics"], diffs, "recomputed from " + ", ".join((files["step0"], files["final"])))
+        if boot is not None:
+            diffs = []
+            _numbers_agree((boot.get("models") or {}).get(kind), summary, f"bootstrap_summary.models.{kind}", diffs)
+            v.diffs(f"{probe['bootstrap_summary']} ({kind})", diffs, "bootstrap bounds recomputed")
+
+
+# --------------------------------------------------------------------------------------------------
+# Derived members, remade by report's own functions
+# --------------------------------------------------------------------------------------------------
+
+def _first_difference(have: bytes, want: bytes) -> str:
+    a, b = have.decode("utf-8", "replace").splitlines(), want.decode("utf-8", "replace").splitlines()
+    for i, (x, y) in enumerate(zip(a, b), start=1):
+        if x != y:
+            return f"line {i}: bundle {x[:120]!r}, recomputed {y[:120]!r}"
+    return f"bundle {len(a)} lines, recomputed {len(b)}"
+
+
+def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+    from importlib.metadata import PackageNotFoundError, version
+
+    metric_files = [e["path"] for e in b.artifacts.values() if e.get("role") == "metrics" and e.get("packed")]
+    curves = b.manifest.get("curves") or {}
+    try:
+        metrics = {metrics_label(p): b.packed_json(p) for p in metric_files}
+        want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
+                              sorted(curves), b.params).encode("utf-8")
+        have = b.members.get(SUMMARY, b"")
+        v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary and params" if have == want
+              else f"not what report writes from the bundle's metrics, bootstrap summary and params: "
+                   f"{_first_difference(have, want)}")
+    except (KeyError, TypeError, ValueError) as e:
+        v.add(False, SUMMARY, f"cannot be remade from the bundle's metrics and params: {e!r}")
+
+    env = b.environment()
+    record = env.get("record") or {}
+    drawn_by = (record.get("packages") or {}).get("matplotlib")
+    try:
+        here = version("matplotlib")
+    except PackageNotFoundError:
+        here = None
+    for name, spec in sorted(curves.items()):
+        member = f"{BUNDLE_ROOT}/curves/{name}"
+        log = b.packed(spec.get("train_log") if isinstance(spec, dict) else None)
+        if log is None:
+            v.add(False, member, "its train log is not packed in the bundle")
+        elif drawn_by != here:
+            v.add(None, member, f"drawn with matplotlib {drawn_by}, this machine has {here}: not redrawn")
+        else:
+            png = render_curves_png(spec["label"], read_train_log(spec["train_log"], log.decode("utf-8")))
+            v.add(b.members.get(member) == png, member, f"redrawn from {spec['train_log']}" if
+                  b.members.get(member) == png else f"not the curves of {spec['train_log']}")
+
+    env_path = STAGE_OUTPUTS["environment"]["record"]
+    diffs = [] if record == b.packed_json(env_path) else [f"record is not the packed {env_path}"]
+    # A trainer records what it checked its process against: the record without the environment stage's `lock`.
+    facts = {k: val for k, val in record.items() if k != "lock"}
+    diffs += [f"training.{label}.record is not the environment record"
+              for label, run in sorted((env.get("training") or {}).items()) if run.get("record") != facts]
+    run_infos, detail = {}, "record and the runs' records agree"
+    if ws is not None:
+        for label, stage in TRAINED.items():
+            rel = STAGE_OUTPUTS[stage]["run_info"]
+            path = ws.root / rel
+            if path.is_file() and hash_file(path, (MD5,))[1][MD5] == b.artifacts.get(rel, {}).get("md5"):
+                run_infos[label] = json.loads(path.read_text(encoding="utf-8"))
+        if len(run_infos) == len(TRAINED):
+            detail = "remade from the packed record and the workspace's run_info.json"
+            if json_bytes(build_environment(record, run_infos)) != b.members.get(ENVIRONMENT):
+                diffs.append("not what report writes from the record and the workspace's run_info.json")
+    v.diffs(ENVIRONMENT, diffs, detail)
+
+
+def _check_environment(v: Verdicts, b: _Bundle) -> None:
+    """The bundle's record against this process's (informational unless asked to require it)."""
+    from stages.lib.environment import compare_records, environment_record
+    record = b.environment().get("record")
+    if not record:
+        v.add(None, "environment", "the bundle carries no environment record")
+        return
+    here = environment_record(b.params["train"])
+    diffs = compare_records({k: val for k, val in record.items() if k in here}, here)
+    v.rows.append(("MATCH" if not diffs else "ENV-DIFF", "environment",
+                   "same as this machine's" if not diffs else "; ".join(diffs)))
+

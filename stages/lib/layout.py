@@ -1,0 +1,58 @@
+"""Where the pipeline writes each artifact, by stage: the one list of artifact paths.
+
+The rules take their outputs from here (workflow/rules/*.smk: `OUT["normalize"]["pairs"]`), the report rule
+hands those outputs to the report stage, and `report verify` requires every artifact of the run to be in a
+bundle's manifest (naming the stage to rerun for one that is missing). One list, so the DAG, the bundle and
+the check cannot drift apart. Keys are the rules' output names. A stage's log (logs/<stage>.log) belongs to
+its rule and is no artifact.
+"""
+from __future__ import annotations
+
+STAGE_OUTPUTS: dict[str, dict[str, str]] = {
+    "environment": {"record": "results/env/environment.json"},
+    "normalize": {"pairs": "results/normalize/pairs.parquet",
+                  "rejections": "results/normalize/rejections.parquet",
+                  "stats": "results/normalize/normalize_stats.json"},
+    "freeze_probe": {"train": "results/probe/train.parquet",
+                     "probe": "results/probe/probe.parquet",
+                     "manifest": "results/probe/probe_manifest.json"},
+    "verify_ref": {"identity": "results/ref/ref_identity.json"},
+    "tokenize": {"train_tokens": "results/tokens/train_tokens.parquet",
+                 "probe_tokens": "results/tokens/probe_tokens.parquet",
+                 "probe_token_manifest": "results/tokens/probe_token_manifest.json",
+                 "report": "results/tokens/tokenize_report.json",
+                 "rejections": "results/tokens/token_rejections.parquet"},
+    "ref_logps": {"ref_logps": "results/ref_logps/ref_logps.parquet"},
+    **{stage: {"model": f"results/{stage}/model",                  # a directory (the HF export)
+               "plots_train_log": f"results/{stage}/train_log.csv",
+               "run_info": f"results/{stage}/run_info.json",
+               "probe_step0": f"results/{stage}/probe_step0.jsonl",
+               "probe_final": f"results/{stage}/probe_final.jsonl"} for stage in ("train_dpo", "train_rm")},
+    "evaluate": {"metrics_dpo": "metrics/dpo.json",
+                 "metrics_rm": "metrics/rm.json",
+                 "bootstrap": "results/evaluate/bootstrap_summary.json"},
+    "report": {"bundle": "results/report/evidence.tar.gz",
+               "summary": "results/report/summary.md",
+               "curves": "results/report/curves"},
+}
+
+# The trained models by the label the report and evaluate give them (metrics/<label>.json, the bundle's
+# curves/<label>_train_curves.png, `evaluation.<label>` of its manifest) -> the stage that trains it.
+TRAINED: dict[str, str] = {"dpo": "train_dpo", "rm": "train_rm"}
+
+
+def uses_ref_logps(params: dict) -> bool:
+    """Only DPO with a frozen reference reads reference log-probs; `dpo_ref_free` has no ref_logps stage."""
+    return params["dpo"]["objective"] == "dpo"
+
+
+def stages(params: dict) -> list[str]:
+    """The pipeline's stages under these params, in the order above."""
+    return [s for s in STAGE_OUTPUTS if s != "ref_logps" or uses_ref_logps(params)]
+
+
+def bundle_artifacts(params: dict) -> dict[str, str]:
+    """{path: stage} of every artifact an evidence bundle's manifest hashes: the outputs of every stage
+    before report (report's own outputs are the bundle)."""
+    return {path: stage for stage in stages(params) if stage != "report"
+            for path in STAGE_OUTPUTS[stage].values()}
