@@ -82,7 +82,16 @@ def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
     except ImportError:       # DVC is optional for a Snakemake-only user
         yield None
         return
-    with contextlib.chdir(root), Repo(".") as repo:
+    from dvc.exceptions import DvcException
+    with contextlib.chdir(root):
+        try:
+            repo = Repo(".")
+        except DvcException as e:      # e.g. .dvc/ without git (a tarball of the repository): DVC cannot work here
+            print(f"integrity: hashes not checked and dvc.lock not written: DVC cannot open {root} "
+                  f"({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+            yield None
+            return
+    with contextlib.chdir(root), repo:
         try:
             ctx = lock_repo(repo)
             ctx.__enter__()
