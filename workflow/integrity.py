@@ -179,9 +179,10 @@ def changed_paths(changes: dict, kind: str, modified_only: bool = False) -> dict
 
 def describe(changes: dict) -> list[str]:
     """A stage's changes as short reasons: 'results/x deleted', 'params train.lr modified', 'changed command'."""
-    return ([f"{path} {change}" for path, change in changed_paths(changes, "outs").items()]
-            + [f"{path} {change}" for path, change in changed_paths(changes, "deps").items()]
-            + [f"params {key} {change}" for key, change in changes["params"].items()] + changes["other"])
+    reasons = ([f"{path} {change}" for path, change in changed_paths(changes, "outs").items()]
+               + [f"{path} {change}" for path, change in changed_paths(changes, "deps").items()]
+               + [f"params {key} {change}" for key, change in changes["params"].items()] + changes["other"])
+    return sorted(reasons, key=lambda r: r.endswith((" deleted", " new")))    # what forces the rerun first
 
 
 def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
