@@ -289,6 +289,12 @@ class LowBitAdamW(torch.optim.Optimizer):
                     m.copy_(saved)
                     p.copy_(m)
         super().load_state_dict(state_dict)
+        # torch casts floating state to the parameter's dtype: the fp32 scales of bf16 weights are taken back as saved
+        params = [p for g in self.param_groups for p in g["params"]]
+        for i, saved in state_dict["state"].items():
+            for key in ("m_scale", "s_scale"):
+                self.state[params[int(i)]][key] = saved[key].to(device=_local(params[int(i)]).device,
+                                                                dtype=torch.float32)
         steps = {float(st["step"]) for st in self.state.values() if "step" in st}
         if len(steps) > 1:
             raise ValueError("optimizer state: the parameters' step counts differ; one shared count is required")
