@@ -215,6 +215,9 @@ def test_state_dict_round_trip_continues_bitwise_and_refuses_another_mode(state,
     c = LowBitAdamW([{"params": [q]}], other, seed=5, lr=1e-3, betas=(0.9, 0.999))
     with pytest.raises(ValueError, match=f"saved with train.optimizer.state {state}, this run uses {other}"):
         c.load_state_dict(sd)
-    exact = torch.optim.AdamW([q]).state_dict()
+    adamw = torch.optim.AdamW([q])
+    q.grad = torch.ones_like(q)
+    adamw.step()
+    exact = adamw.state_dict()
     with pytest.raises(ValueError, match=f"saved with train.optimizer.state exact, this run uses {other}"):
         c.load_state_dict(exact)

@@ -197,24 +197,44 @@ class LowBitAdamW(torch.optim.Optimizer):
         src = self._model_of.get(id(p), p)
         return src.grad
 
+    def _init_state(self, p: torch.Tensor) -> None:
+        """Codes of the parameter's shape and placement; scales one per block of the (local) values. Under FSDP2
+        (a DTensor parameter, sharded on dim 0) both are DTensors, so a sharded (DCP) checkpoint holds every rank's
+        part: the codes placed as the parameter, the scales as [world x most blocks of a rank's shard], Shard(0)."""
+        state, w = self.state[p], _local(p)
+        state["step"] = self.step_count
+        for name in ("m", "s"):
+            codes = torch.zeros(w.shape, dtype=torch.uint8, device=w.device)
+            scale = torch.zeros(n_blocks(w.numel()), dtype=torch.float32, device=w.device)
+            if hasattr(p, "to_local"):
+                from torch.distributed.tensor import DTensor, Shard
+                world = p.device_mesh.size()
+                rows = p.shape[0] if p.ndim else 1
+                per_row = p.numel() // max(1, rows)
+                most = n_blocks(-(-rows // world) * per_row)
+                scale = torch.cat([scale, scale.new_zeros(most - scale.numel())])
+                codes = DTensor.from_local(codes, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                           stride=p.stride())
+                scale = DTensor.from_local(scale, p.device_mesh, [Shard(0)], run_check=False, shape=(world * most,),
+                                           stride=(1,))
+            state[f"{name}_codes"], state[f"{name}_scale"] = codes, scale
+
     @torch.no_grad()
     def _update(self, p: torch.Tensor, group: dict, grad: torch.Tensor, divisor: torch.Tensor | None) -> None:
         state = self.state[p]
         w_t = _local(p)
         if not state:
-            shape = w_t.shape
-            state["step"] = self.step_count
-            for name in ("m", "s"):
-                state[f"{name}_codes"] = torch.zeros(shape, dtype=torch.uint8, device=w_t.device)
-                state[f"{name}_scale"] = torch.zeros(n_blocks(w_t.numel()), dtype=torch.float32, device=w_t.device)
+            self._init_state(p)
+        nb = n_blocks(w_t.numel())
+        m_codes, m_scale, s_codes, s_scale = (_local(state[k]) for k in ("m_codes", "m_scale", "s_codes", "s_scale"))
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         g = _local(grad).float()
         if divisor is not None:
             g = g / divisor
         w = w_t.float() if w_t.dtype != torch.float32 else w_t.clone()
-        m = dequantize(state["m_codes"], state["m_scale"], signed=True)
-        s = dequantize(state["s_codes"], state["s_scale"], signed=False)
+        m = dequantize(m_codes, m_scale[:nb], signed=True)
+        s = dequantize(s_codes, s_scale[:nb], signed=False)
         v = s * s
         if wd:
             w.mul_(1.0 - lr * wd)
@@ -225,8 +245,10 @@ class LowBitAdamW(torch.optim.Optimizer):
         step_size = lr / (1.0 - beta1 ** t)
         denom = (s / math.sqrt(1.0 - beta2 ** t)).add_(eps)
         w.addcdiv_(m, denom, value=-step_size)
-        state["m_codes"], state["m_scale"] = quantize(m, signed=True)
-        state["s_codes"], state["s_scale"] = quantize(s, signed=False)
+        for codes, scale, (new_codes, new_scale) in ((m_codes, m_scale, quantize(m, signed=True)),
+                                                     (s_codes, s_scale, quantize(s, signed=False))):
+            codes.copy_(new_codes)
+            scale[:nb].copy_(new_scale)
         if self.state_mode == "bf16_sr_8bit" and w_t.dtype == torch.bfloat16:
             bits = random_bits(stream_key(self.seed, t, self.ordinal[id(p)]), w.numel(), w.device)
             w_t.copy_(stochastic_round_bf16(w, bits))
@@ -275,7 +297,10 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         state_dict = dict(state_dict)
-        mode = state_dict.pop("state_mode", "exact")
+        # the mode: named in our own state_dict; through FSDP2's get/set_optimizer_state_dict only the per-parameter
+        # state survives, whose keys tell an exact (AdamW) state apart
+        keys = {k for st in state_dict.get("state", {}).values() for k in st}
+        mode = state_dict.pop("state_mode", "exact" if "exp_avg" in keys else self.state_mode)
         if mode != self.state_mode:
             raise ValueError(f"optimizer state was saved with train.optimizer.state {mode}, this run uses "
                              f"{self.state_mode}: a state resumes only in its own mode")
@@ -289,12 +314,17 @@ class LowBitAdamW(torch.optim.Optimizer):
                     m.copy_(saved)
                     p.copy_(m)
         super().load_state_dict(state_dict)
-        # torch casts floating state to the parameter's dtype: the fp32 scales of bf16 weights are taken back as saved
+        # torch casts every state tensor of a floating parameter to its dtype: codes and scales are taken back as
+        # saved (uint8, fp32)
+        # the saved state's keys map to parameters as torch maps them: the saved groups' ids, in order
         params = [p for g in self.param_groups for p in g["params"]]
-        for i, saved in state_dict["state"].items():
-            for key in ("m_scale", "s_scale"):
-                self.state[params[int(i)]][key] = saved[key].to(device=_local(params[int(i)]).device,
-                                                                dtype=torch.float32)
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(saved_ids, params):
+            saved = state_dict["state"].get(i)
+            if saved is None:
+                continue
+            for key in ("m_codes", "m_scale", "s_codes", "s_scale"):
+                self.state[p][key] = saved[key].to(device=_local(p).device, copy=True)   # never shared with the source
         steps = {float(st["step"]) for st in self.state.values() if "step" in st}
         if len(steps) > 1:
             raise ValueError("optimizer state: the parameters' step counts differ; one shared count is required")

@@ -136,6 +136,15 @@ class LRSchedule:
         return lr
 
 
+def fp32_grad_norm(params) -> torch.Tensor:
+    """The gradients' 2-norm, each tensor's accumulated in fp32 whatever its dtype (a bf16 norm keeps 3 digits),
+    combined as clip_grad_norm_ does; sharded (DTensor) gradients through clip_grad_norm_ itself, unscaled."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(hasattr(g, "to_local") for g in grads):
+        return total_grad_norm([p for p in params if p.grad is not None], 0)
+    return torch.linalg.vector_norm(torch.stack([torch._foreach_norm([g.float()], 2)[0] for g in grads]), 2)
+
+
 def total_grad_norm(params, max_norm: float) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -197,14 +206,16 @@ class FusedBackwardStep:
     parameter's AdamW step as soon as its gradient is complete and frees the gradient, so no gradient outlives
     its step (no persistent gradient buffer). The same per-element update as the optimizer's own step: exact mode
     through torch's fused AdamW on the one parameter (bitwise what optimizer.step() does with no clip and one
-    micro-batch), the low-bit modes through LowBitAdamW.step_param. `sumsq` accumulates the gradients' squared
-    norm for the log (no clip: refused by check_optimizer_settings)."""
+    micro-batch), the low-bit modes through LowBitAdamW.step_param. grad_norm(): the gradients' norm for the log
+    (no clip: refused by check_optimizer_settings)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module):
         self.optimizer = optimizer
         params = [p for p in module.parameters() if p.requires_grad]
-        device = params[0].device if params else torch.device("cpu")
-        self.sumsq = torch.zeros((), dtype=torch.float64, device=device)
+        # the order the unfused step combines the norms in: the masters' (group) order, else the module's
+        order = optimizer.model_params if isinstance(optimizer, MasterWeightAdamW) else params
+        self._index = {id(p): i for i, p in enumerate(order)}
+        self._norms: dict[int, torch.Tensor] = {}
         self._target, self._group = {}, {}
         masters = getattr(optimizer, "master_params", None)
         model_params = getattr(optimizer, "model_params", None)
@@ -220,13 +231,17 @@ class FusedBackwardStep:
         self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
 
     def begin(self) -> None:
-        self.sumsq.zero_()
+        self._norms.clear()
         if isinstance(self.optimizer, LowBitAdamW):
             self.optimizer.begin_step()
 
     @torch.no_grad()
     def _hook(self, p: torch.Tensor) -> None:
-        self.sumsq += p.grad.double().square().sum()
+        # per-tensor fp32 norms, combined in parameter order at the end: clip_grad_norm_'s arithmetic, so the logged
+        # norm is the unfused step's to the bit
+        g32 = p.grad.float()
+        self._norms[self._index[id(p)]] = (torch._foreach_norm([g32], 2)[0] if isinstance(self.optimizer, LowBitAdamW)
+                                           else torch.nn.utils.get_total_norm([g32], 2.0))
         if isinstance(self.optimizer, LowBitAdamW):
             self.optimizer.step_param(p)
         else:
@@ -240,7 +255,7 @@ class FusedBackwardStep:
         p.grad = None
 
     def grad_norm(self) -> torch.Tensor:
-        return self.sumsq.sqrt().float()
+        return torch.linalg.vector_norm(torch.stack([self._norms[i] for i in sorted(self._norms)]), 2)
 
     def remove(self) -> None:
         for h in self.handles:

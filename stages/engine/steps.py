@@ -43,7 +43,8 @@ from torch import nn
 from stages.engine.data import filler_batch, model_inputs
 from stages.engine.dist import DistEnv, autocast, gradient_sync
 from stages.engine.lowbit_adamw import LowBitAdamW
-from stages.engine.optim import FusedBackwardStep, MasterWeightAdamW, adamw_step_lr_tensor, total_grad_norm
+from stages.engine.optim import (FusedBackwardStep, MasterWeightAdamW, adamw_step_lr_tensor, fp32_grad_norm,
+                                 total_grad_norm)
 from stages.engine.settings import TrainSettings
 from stages.engine.packing import (MicroBatch, PackedBatch, TokenPairs, batch_dims, plan_padded_shapes,
                                 shared_prompt_flags)
@@ -122,7 +123,7 @@ class EagerSteps:
             torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
         elif isinstance(optimizer, LowBitAdamW):
             # the norm of the model's gradients, unscaled (max_norm 0 = none); the clip divides inside the update
-            grad_norm = total_grad_norm([p for p in self.model.parameters() if p.grad is not None], 0)
+            grad_norm = fp32_grad_norm(list(self.model.parameters()))
             torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
             divisor = (1.0 / torch.clamp(settings.max_grad_norm / (grad_norm + 1e-6), max=1.0)
                        if settings.max_grad_norm > 0 else None)
