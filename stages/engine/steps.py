@@ -210,10 +210,21 @@ class GraphedSteps:
         self.sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
         self.row = torch.zeros(len(objective.metric_names) + 1, dtype=torch.float64, device=device)
         self.lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in optimizer.param_groups]
-        from stages.engine.flat_adamw import FlatMasterAdamW
-        why_not_flat = FlatMasterAdamW.unsupported(optimizer)
-        self.flat = FlatMasterAdamW(optimizer, settings.max_grad_norm) if why_not_flat is None else None
-        flat_warmup_s = FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype) if self.flat else 0.0
+        from stages.engine.flat_adamw import FlatLowBitAdamW, FlatMasterAdamW
+        if isinstance(optimizer, LowBitAdamW):      # the low-bit modes step only through their flat kernel
+            why_not_flat = FlatLowBitAdamW.unsupported(optimizer)
+            if why_not_flat is not None:
+                raise RuntimeError(f"train.optimizer.state {optimizer.state_mode} under CUDA graphs: {why_not_flat}")
+            self.flat = FlatLowBitAdamW(optimizer, settings.max_grad_norm)
+            dtype = optimizer.model_params[0].dtype
+            flat_warmup_s = FlatLowBitAdamW.warm_up(device, dtype, optimizer.master_params is not None,
+                                                    optimizer.state_mode == "bf16_sr_8bit" and dtype == torch.bfloat16)
+            kind = "flat_triton_adamw_8bit"
+        else:
+            why_not_flat = FlatMasterAdamW.unsupported(optimizer)
+            self.flat = FlatMasterAdamW(optimizer, settings.max_grad_norm) if why_not_flat is None else None
+            flat_warmup_s = FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype) if self.flat else 0.0
+            kind = "flat_triton_adamw"
         self.graphs = StepGraphs(
             device, fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, self.scale, self.sums),
             optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, self.lrs, self.sums, self.row,
@@ -221,7 +232,7 @@ class GraphedSteps:
         self.info = {"enabled": True, "shapes": [asdict(s) for s in shapes],
                      "padded_tokens": int(sum(s.tokens for s in self.pad_to)),
                      "real_tokens": int(sum(d.tokens for d in dims)),
-                     "optimizer": ({"kind": "flat_triton_adamw", "warmup_seconds": round(flat_warmup_s, 3)}
+                     "optimizer": ({"kind": kind, "warmup_seconds": round(flat_warmup_s, 3)}
                                    if self.flat else {"kind": "torch_fused_adamw", "why_not_flat": why_not_flat})}
         self.graphs.stream.wait_stream(torch.cuda.current_stream(device))   # the model and state were made there
 
