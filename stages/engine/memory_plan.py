@@ -133,9 +133,10 @@ class MemoryPlan:
         return None if self.device_bytes is None else self.total <= self.device_bytes
 
     def describe(self) -> str:
-        parts = ", ".join(f"{k} {getattr(self, k) / GIB:.2f}" for k in
+        unit, size = ("GiB", GIB) if self.total >= GIB else ("MiB", 2 ** 20)
+        parts = ", ".join(f"{k} {getattr(self, k) / size:.2f}" for k in
                           ("weights", "grads", "masters", "moments", "activations", "overhead"))
-        return f"{self.total / GIB:.2f} GiB ({parts} GiB)"
+        return f"{self.total / size:.2f} {unit} ({parts} {unit})"
 
 
 def estimate(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: int, world_size: int = 1,
