@@ -300,7 +300,8 @@ class FlatLowBitAdamW:
             sl = slice(start, end)
             kernels._adamw8_kernel[(-(-(b1 - b0) // TILE_ROWS),)](
                 self.grad[sl], self.param[sl], self.master[sl], self.m_codes[sl], self.m_scale[b0:b1],
-                self.s_codes[sl], self.s_scale[b0:b1], self.ordinal[b0:b1], self.base[b0:b1], b1 - b0, lrs[gi],
+                self.s_codes[sl], self.s_scale[b0:b1], self.ordinal[b0:b1], self.base[b0:b1], b1 - b0, end - start,
+                lrs[gi],
                 self.bias[i], self.divisor, self.step_count, self.optimizer.seed, beta1, 1.0 - beta1, beta2,
                 1.0 - beta2, eps, wd, HAS_MASTER=self.has_master, SR=self.sr, ROWS=TILE_ROWS, B=BLOCK)
         return self.norm
@@ -323,7 +324,7 @@ class FlatLowBitAdamW:
             kernels._sumsq_kernel[(1,)](g, partials, n, BLOCK=NORM_BLOCK)
             kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0, CLIP=clip,
                                        BLOCK=1024)
-        kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0], idx[1], 2,
+        kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0], idx[1], 2, n,
                                      lr, bias[0], divisor, step, 12345, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0,
                                      HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK)
         if device.type == "cuda":

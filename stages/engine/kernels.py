@@ -228,9 +228,9 @@ if triton is not None:
         normal = (((e + 127 - TOP) << 23) | (f << 20)).to(tl.float32, bitcast=True)
         return tl.where(e > 0, normal, f.to(tl.float32) * SUB_STEP)
 
-    @triton.jit(do_not_specialize=["n_blocks", "seed"])
+    @triton.jit(do_not_specialize=["n_blocks", "n", "seed"])
     def _adamw8_kernel(grad_ptr, param_ptr, master_ptr, mc_ptr, msc_ptr, sc_ptr, ssc_ptr, ord_ptr, base_ptr,
-                       n_blocks, lr_ptr, bias_ptr, divisor_ptr, step_ptr, seed, beta1, one_minus_beta1, beta2,
+                       n_blocks, n, lr_ptr, bias_ptr, divisor_ptr, step_ptr, seed, beta1, one_minus_beta1, beta2,
                        one_minus_beta2, eps, weight_decay, HAS_MASTER: tl.constexpr, SR: tl.constexpr,
                        ROWS: tl.constexpr, B: tl.constexpr):
         """One program = ROWS quantization blocks of B values (a tile [ROWS, B]; every tensor starts at a block,
@@ -238,11 +238,12 @@ if triton is not None:
         and per-block fp32 scales, re-encoded after the update (absmax per row); the weight written to the fp32
         master and rounded to nearest into the model dtype (HAS_MASTER), or rounded stochastically to bf16 with
         the counter hash of (seed, step, block's parameter ordinal, element index in the parameter) (SR), or
-        written as is (fp32 weights). Zeroes the gradient."""
+        written as is (fp32 weights). Zeroes the gradient. n: the values (a flat buffer's are whole blocks; one
+        tensor's, on the eager GPU path, may end inside its last block)."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_blocks
         offs = rows[:, None] * B + tl.arange(0, B)[None, :]
-        mask = rmask[:, None]
+        mask = rmask[:, None] & (offs < n)
         lr = tl.load(lr_ptr)
         step_size = (lr.to(tl.float64) / tl.load(bias_ptr + 4)).to(tl.float32)
         bias2_sqrt = tl.load(bias_ptr + 5).to(tl.float32)
