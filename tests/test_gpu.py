@@ -219,13 +219,14 @@ def test_lowbit_codec_and_hash_are_bitwise_the_cpu_ones_on_gpu(state):
     w0 = torch.randn(1000, 70)
     g = torch.randn(1000, 70) * torch.exp(torch.randn(1000, 1) * 3)
     out = {}
-    for device in ("cpu", "cuda"):
-        p = torch.nn.Parameter(w0.to(device, torch.bfloat16))
-        masters = {id(p): w0.to(device)} if state == "fp32_master_8bit" else None
+    for device in ("cpu", "cuda", "cuda_eager"):       # cuda: the flat kernel; cuda_eager: one tensor's launch
+        dev = device.split("_")[0]
+        p = torch.nn.Parameter(w0.to(dev, torch.bfloat16))
+        masters = {id(p): w0.to(dev)} if state == "fp32_master_8bit" else None
         opt = LowBitAdamW([{"params": [p], "weight_decay": 0.0}], state, seed=9, masters=masters, lr=1e-3,
                           betas=(0.9, 0.999))
-        p.grad = g.to(device, torch.bfloat16)
-        if device == "cpu":
+        p.grad = g.to(dev, torch.bfloat16)
+        if device != "cuda":
             opt.step()
         else:
             env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="nccl")
@@ -233,12 +234,14 @@ def test_lowbit_codec_and_hash_are_bitwise_the_cpu_ones_on_gpu(state):
             sums, row = torch.zeros(1, dtype=torch.float64, device="cuda"), torch.zeros(2, dtype=torch.float64, device="cuda")
             graphed_optimizer_step(opt, p, settings, lrs, sums, row, FlatLowBitAdamW(opt, 0.0))
         out[device] = ({k: v.cpu() for k, v in opt.state_dict()["state"][0].items()}, p.detach().cpu())
-    (sc, pc), (sg, pg) = out["cpu"], out["cuda"]
-    for key in ("m_codes", "s_codes"):
-        assert float((sc[key] != sg[key]).double().mean()) < 1e-3, key      # fp32 rounding at a code boundary
-    for key in ("m_scale", "s_scale"):
-        torch.testing.assert_close(sc[key], sg[key], rtol=1e-6, atol=0)
-    assert float((pc != pg).double().mean()) < 1e-3
+    sc, pc = out["cpu"]
+    for gpu in ("cuda", "cuda_eager"):
+        sg, pg = out[gpu]
+        for key in ("m_codes", "s_codes"):
+            assert float((sc[key] != sg[key]).double().mean()) < 1e-3, key      # fp32 rounding at a code boundary
+        for key in ("m_scale", "s_scale"):
+            torch.testing.assert_close(sc[key], sg[key], rtol=1e-6, atol=0)
+        assert float((pc != pg).double().mean()) < 1e-3
 
 
 @pytest.mark.parametrize("stage", ["train_dpo", "train_rm"])

@@ -221,3 +221,17 @@ def test_state_dict_round_trip_continues_bitwise_and_refuses_another_mode(state,
     exact = adamw.state_dict()
     with pytest.raises(ValueError, match=f"saved with train.optimizer.state exact, this run uses {other}"):
         c.load_state_dict(exact)
+
+
+@pytest.mark.parametrize("state,bf16", [("fp32_master_8bit", True), ("bf16_sr_8bit", True)])
+def test_chunked_update_is_the_whole_tensor_update_bitwise(monkeypatch, state, bf16):
+    """The torch-ops update walks a tensor in chunks of whole blocks (bounded temporaries): per element and per
+    block, so chunks of 3 blocks give the bytes of one pass (the stochastic-rounding index continues across)."""
+    import stages.engine.lowbit_adamw as lowbit
+    torch.manual_seed(0)
+    w0 = torch.randn(10 * BLOCK + 77)
+    grads = _gradient_stream(w0.shape, 6, 3)
+    whole, _ = _run_mode(state, w0, grads, 1e-3, 0.01, bf16)
+    monkeypatch.setattr(lowbit, "CHUNK", 3 * BLOCK)
+    chunked, _ = _run_mode(state, w0, grads, 1e-3, 0.01, bf16)
+    assert torch.equal(whole, chunked)

@@ -40,6 +40,7 @@ import math
 import torch
 
 BLOCK = 128                       # values per quantization block (one fp32 scale each)
+CHUNK = BLOCK * 2 ** 15           # the torch-ops update runs over a tensor in chunks of this many values
 M_EXP_BITS, S_EXP_BITS = 4, 5      # the two minifloat formats (module docstring)
 MASK32 = 0xFFFFFFFF
 MIX1, MIX2 = 0x7FEB352D, 0x2C1B3C6D   # both < 2^31: a uint32 times either fits an int64 (the CPU emulation)
@@ -187,6 +188,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         device = _local(self.model_params[0]).device if self.model_params else torch.device("cpu")
         self.step_count = torch.zeros((), dtype=torch.float32, device=device)
         self._t = 0
+        self._tables: dict[int, tuple] = {}      # the GPU eager path's per-block hash inputs, per parameter
 
     # -- the update --------------------------------------------------------------------------
     def begin_step(self) -> None:
@@ -225,16 +227,33 @@ class LowBitAdamW(torch.optim.Optimizer):
         w_t = _local(p)
         if not state:
             self._init_state(p)
-        nb = n_blocks(w_t.numel())
-        m_codes, m_scale, s_codes, s_scale = (_local(state[k]) for k in ("m_codes", "m_scale", "s_codes", "s_scale"))
+        model = self._model_of.get(id(p))
+        target = _local(model) if model is not None else w_t      # what the model computes with
+        g_t = _local(grad)
+        if w_t.is_cuda:
+            return self._update_cuda(p, group, g_t, divisor, w_t, target)
+        n = w_t.numel()
+        flat = {k: _local(state[k]).reshape(-1) for k in ("m_codes", "s_codes")}
+        scales = {k: _local(state[k]) for k in ("m_scale", "s_scale")}
+        w_flat, g_flat, target_flat = w_t.reshape(-1), g_t.reshape(-1), target.reshape(-1)
+        # In chunks of whole blocks: every operation is per element or per block, so the bytes are those of one
+        # pass over the tensor, and the temporaries stay a chunk's (an embedding's int64 code arithmetic would
+        # otherwise take several times its size).
+        for start in range(0, n, CHUNK):
+            end = min(n, start + CHUNK)
+            self._update_chunk(p, group, g_flat[start:end], divisor, w_flat[start:end], target_flat[start:end],
+                               {k: v[start:end] for k, v in flat.items()},
+                               {k: v[start // BLOCK:n_blocks(end)] for k, v in scales.items()}, start)
+
+    def _update_chunk(self, p, group, g, divisor, w_t, target, codes, scales, start: int) -> None:
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-        g = _local(grad).float()
+        g = g.float()
         if divisor is not None:
             g = g / divisor
         w = w_t.float() if w_t.dtype != torch.float32 else w_t.clone()
-        m = dequantize(m_codes, m_scale[:nb], signed=True)
-        s = dequantize(s_codes, s_scale[:nb], signed=False)
+        m = dequantize(codes["m_codes"], scales["m_scale"], signed=True)
+        s = dequantize(codes["s_codes"], scales["s_scale"], signed=False)
         v = s * s
         if wd:
             w.mul_(1.0 - lr * wd)
@@ -245,18 +264,43 @@ class LowBitAdamW(torch.optim.Optimizer):
         step_size = lr / (1.0 - beta1 ** t)
         denom = (s / math.sqrt(1.0 - beta2 ** t)).add_(eps)
         w.addcdiv_(m, denom, value=-step_size)
-        for codes, scale, (new_codes, new_scale) in ((m_codes, m_scale, quantize(m, signed=True)),
-                                                     (s_codes, s_scale, quantize(s, signed=False))):
-            codes.copy_(new_codes)
-            scale[:nb].copy_(new_scale)
+        for name, signed, value in (("m", True, m), ("s", False, s)):
+            new_codes, new_scale = quantize(value, signed=signed)
+            codes[f"{name}_codes"].copy_(new_codes)
+            scales[f"{name}_scale"].copy_(new_scale)
         if self.state_mode == "bf16_sr_8bit" and w_t.dtype == torch.bfloat16:
-            bits = random_bits(stream_key(self.seed, t, self.ordinal[id(p)]), w.numel(), w.device)
+            key = stream_key(self.seed, t, self.ordinal[id(p)])
+            bits = mix32((torch.arange(w.numel(), dtype=torch.int64, device=w.device) + start) ^ key)
             w_t.copy_(stochastic_round_bf16(w, bits))
         else:
             w_t.copy_(w)
-            model = self._model_of.get(id(p))
-            if model is not None:
-                _local(model).copy_(w)                 # the bf16 working copy: rounded to nearest, as MasterWeightAdamW
+            if target is not w_t:
+                target.copy_(w)                       # the bf16 working copy: rounded to nearest, as MasterWeightAdamW
+
+    def _update_cuda(self, p, group, g_t, divisor, w_t, target) -> None:
+        """A GPU's eager step (DDP, FSDP2, fused_backward): kernels._adamw8_kernel on this one tensor, the same
+        update as the CUDA-graph path's flat kernel, without the torch-ops path's fp32 and int64 temporaries."""
+        from stages.engine import kernels
+        state = self.state[p]
+        n, nb = w_t.numel(), n_blocks(w_t.numel())
+        tables = self._tables.get(id(p))
+        if tables is None:
+            tables = self._tables[id(p)] = (
+                torch.full((nb,), self.ordinal[id(p)], dtype=torch.int32, device=w_t.device),
+                torch.arange(nb, dtype=torch.int32, device=w_t.device) * BLOCK)
+        beta1, beta2 = group["betas"]
+        t = self._t
+        lr = torch.full((), group["lr"], dtype=torch.float32, device=w_t.device)
+        bias = torch.tensor([0.0, 0.0, beta1, beta2, 1.0 - beta1 ** t, math.sqrt(1.0 - beta2 ** t)],
+                            dtype=torch.float64, device=w_t.device)
+        div = divisor.reshape(()).float() if divisor is not None else torch.ones((), device=w_t.device)
+        master = self._model_of.get(id(p)) is not None
+        g = g_t if g_t.is_contiguous() else g_t.contiguous()
+        kernels._adamw8_kernel[(-(-nb // 16),)](
+            g, target, w_t, _local(state["m_codes"]), _local(state["m_scale"]), _local(state["s_codes"]),
+            _local(state["s_scale"]), tables[0], tables[1], nb, n, lr, bias, div, self.step_count, self.seed, beta1,
+            1.0 - beta1, beta2, 1.0 - beta2, group["eps"], group["weight_decay"], HAS_MASTER=master,
+            SR=self.state_mode == "bf16_sr_8bit" and target.dtype == torch.bfloat16, ROWS=16, B=BLOCK)
 
     @torch.no_grad()
     def step(self, closure=None, grad_divisor: torch.Tensor | None = None):
