@@ -705,7 +705,6 @@ def main(argv=None) -> None:
         result[mode] = t
         rows.append(trl_row(mode, t, objective, shape, w, lora_for_trl(trl_mode), peak))
         save_partial()
-    by = {r["mode"]: r for r in rows if r.get("status") == "ok"}
     summarize(result, rows)
     out_json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
     print_table(result)

@@ -209,7 +209,6 @@ def test_lowbit_codec_and_hash_are_bitwise_the_cpu_ones_on_gpu(state):
     """One flat step from zero state on the GPU: the codes and scales it writes for m and sqrt(v) decode to what
     the CPU codec gives for the same fp32 moments (the integer encoding is the same), and the stochastic rounding
     uses the CPU hash's bits (the bf16 weights equal the CPU's but where the fp32 update differs by an ulp)."""
-    from stages.engine.dist import DistEnv
     from stages.engine.flat_adamw import FlatLowBitAdamW
     from stages.engine.lowbit_adamw import LowBitAdamW
     from stages.engine.steps import graphed_optimizer_step
@@ -229,7 +228,6 @@ def test_lowbit_codec_and_hash_are_bitwise_the_cpu_ones_on_gpu(state):
         if device != "cuda":
             opt.step()
         else:
-            env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="nccl")
             lrs = [torch.full((), 1e-3, device="cuda")]
             sums, row = torch.zeros(1, dtype=torch.float64, device="cuda"), torch.zeros(2, dtype=torch.float64, device="cuda")
             graphed_optimizer_step(opt, p, settings, lrs, sums, row, FlatLowBitAdamW(opt, 0.0))

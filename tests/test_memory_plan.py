@@ -11,7 +11,7 @@ import torch
 from engine_helpers import REPO_ROOT, make_tiny_model_dir, train_settings
 from stages.engine.dist import DistEnv
 from stages.engine.lowbit_adamw import state_bytes
-from stages.engine.memory_plan import GIB, MemoryPlanError, check_fits, estimate, lora_shapes, read_config, tensor_shapes
+from stages.engine.memory_plan import MemoryPlanError, check_fits, estimate, lora_shapes, read_config, tensor_shapes
 from stages.engine.optim import build_optimizer
 
 sys.path.insert(0, str(REPO_ROOT / "bench"))

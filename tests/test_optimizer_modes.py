@@ -3,8 +3,6 @@ mode, the refusals (another mode's checkpoint, fused_backward's limits, bf16_sr_
 equal to the step after backward, checkpointed layers equal to none, and multi-process DDP / FSDP2 in each mode."""
 from __future__ import annotations
 
-import json
-
 import numpy as np
 import pandas as pd
 import pytest
@@ -15,7 +13,7 @@ from stages.engine.checkpoint import CheckpointError
 from stages.engine.settings import TrainConfigError
 from stages.lib.io import read_json
 from test_checkpoint import assert_identical_runs, checkpoint_at, ckpt_args
-from test_train import REPO, assets, stage_args, torchrun, write_params  # noqa: F401 - `assets` is a fixture
+from test_train import assets, stage_args, torchrun, write_params  # noqa: F401 - `assets` is a fixture
 
 torch.set_num_threads(1)
 
