@@ -106,26 +106,38 @@ SHAPES = {
 # step) is ~114 GiB of the H200's ~139: activations (~4.6 MB per token at 7B without checkpointing, and
 # activation checkpointing turns the CUDA graphs, hence the flat AdamW, off: +4 bytes/parameter) must fit
 # the rest, so 2048-token micro-batches. LoRA keeps only the bf16 base (~15 GB): larger ones.
-# The low-bit optimizer states (issue 30) at 7B: ~10 (fp32_master_8bit) and ~6 (bf16_sr_8bit) bytes a parameter
-# leave 60-90 GiB for activations: 8192-token micro-batches (the memory plan, stages/engine/memory_plan.py,
-# puts them at 119 and 89 GiB of the H200's 139.8; it refuses before the load where a preset would not fit).
+# The low-bit optimizer states (issue 30) at 7B: ~10 (fp32_master_8bit) and ~6 (bf16_sr_8bit) bytes a parameter.
+# 4096-token micro-batches: the memory plan (stages/engine/memory_plan.py) puts them at 98 and 68 GiB, at or below
+# TRL's full DPO (94 GiB tuned, 72 GiB with its default gradient checkpointing); ours_fused (exact state, the step
+# inside backward) needs one micro-batch a step (16384 tokens >= 8 pairs of <= 2 x 1024) and checkpoints as many
+# layers as the plan needs to fit (auto). The plan refuses before the load where a preset would not fit.
 SHAPE_PRESETS = {
     "qwen2.5-7b": {"ours": {"train.precision": "bf16", "train.micro_batch_tokens": 2048},
-                   "ours_8bit": {"train.micro_batch_tokens": 8192},
-                   "ours_sr": {"train.micro_batch_tokens": 8192},
+                   "ours_8bit": {"train.micro_batch_tokens": 4096},
+                   "ours_sr": {"train.micro_batch_tokens": 4096},
                    "ours_lora": {"train.precision": "bf16", "train.micro_batch_tokens": 8192}},
     "qwen2.5-14b": {"ours_lora": {"train.precision": "bf16", "train.micro_batch_tokens": 8192}},
 }
-# Our full fine-tune families, by train.optimizer.state (precision bf16: the state modes are about bf16 weights).
-STATE_FAMILIES = {"ours": None, "ours_8bit": "fp32_master_8bit", "ours_sr": "bf16_sr_8bit"}
+# Our full fine-tune families (precision bf16 for all but `ours`, whose precision is --set's / the preset's: the
+# optimizer modes are about bf16 weights): train overrides of each.
+STATE_FAMILIES = {
+    "ours": {},
+    "ours_8bit": {"train.precision": "bf16", "train.optimizer": {"state": "fp32_master_8bit"}},
+    "ours_sr": {"train.precision": "bf16", "train.optimizer": {"state": "bf16_sr_8bit"}},
+    "ours_fused": {"train.precision": "bf16", "train.optimizer": {"state": "exact", "fused_backward": True},
+                   "train.max_grad_norm": 0.0, "train.micro_batch_tokens": 16384,
+                   "train.activation_checkpointing": "auto"},
+}
 # The adapter of issue 20 part 1 (the agreed param shape); TRL's LoraConfig gets the same r / alpha / targets.
 LORA = {"type": "lora", "r": 16, "alpha": 32, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "export": "merged"}
 MODE_GROUPS = {"ours": ["ours_dpo", "ours_rm"], "ours_8bit": ["ours_8bit_dpo", "ours_8bit_rm"],
-               "ours_sr": ["ours_sr_dpo", "ours_sr_rm"], "ours_lora": ["ours_lora_dpo", "ours_lora_rm"],
+               "ours_sr": ["ours_sr_dpo", "ours_sr_rm"], "ours_fused": ["ours_fused_dpo", "ours_fused_rm"],
+               "ours_lora": ["ours_lora_dpo", "ours_lora_rm"],
                "trl": ["trl_dpo_tuned", "trl_rm_tuned"], "trl_peft": ["trl_dpo_peft", "trl_rm_peft"]}
-MODES = ["ours_dpo", "ours_rm", "ours_8bit_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_sr_rm", "ours_lora_dpo", "ours_lora_rm", "trl_dpo_tuned", "trl_rm_tuned", "trl_dpo_peft",
+MODES = ["ours_dpo", "ours_rm", "ours_8bit_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_sr_rm", "ours_fused_dpo",
+         "ours_fused_rm", "ours_lora_dpo", "ours_lora_rm", "trl_dpo_tuned", "trl_rm_tuned", "trl_dpo_peft",
          "trl_rm_peft", "trl_dpo", "trl_rm"]
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
@@ -572,6 +584,9 @@ def ours_row(name: str, stages: dict, objective: str, shape: dict, w: dict, lora
             # the stage's wall time outside its timed loop: start-up, model load, probes, export
             "outside_train_s": round(train["wall_s"] - train["train_seconds"], 1),
             "optimizer_state": (train.get("settings", {}).get("optimizer") or {}).get("state", "exact"),
+            "fused_backward": bool((train.get("settings", {}).get("optimizer") or {}).get("fused_backward")),
+            "checkpointed_layers": (train.get("memory_plan") or {}).get("checkpointed_layers"),
+            "micro_batch_tokens": train.get("settings", {}).get("micro_batch_tokens"),
             "planned_peak_gib": (round(train["memory_plan"]["total"] / 2**30, 2) if train.get("memory_plan") else None),
             "probe_accuracy": train.get("probe_accuracy"), "probe_mean_margin": train.get("probe_mean_margin"),
             "final_train_loss": train.get("final_train_loss")}
@@ -651,9 +666,8 @@ def main(argv=None) -> None:
     user = dict(kv.split("=", 1) for kv in args.set)
     user_lora = dict(kv.split("=", 1) for kv in args.set_lora)
     family_overrides = {
-        family: {**overrides, **({"train.precision": "bf16", "train.optimizer": {"state": state}} if state else {}),
-                 **preset.get(family, {}), **{k: yaml.safe_load(v) for k, v in user.items()}}
-        for family, state in STATE_FAMILIES.items()}
+        family: {**overrides, **family_set, **preset.get(family, {}), **{k: yaml.safe_load(v) for k, v in user.items()}}
+        for family, family_set in STATE_FAMILIES.items()}
     family_overrides["ours_lora"] = {**overrides, **preset.get("ours_lora", {}), "train.adapter": lora,
                                      **{k: yaml.safe_load(v) for k, v in {**user, **user_lora}.items()}}
     families = [f for f in OUR_FAMILIES if any(family_of(m) == f for m in modes)]
@@ -728,7 +742,7 @@ def summarize(result: dict, rows: list[dict]) -> None:
         if f"ours_{kind}" in by:
             result[f"mfu_{kind}"] = by[f"ours_{kind}"]["mfu"]
         exact = by.get(f"ours_{kind}")
-        for f in ("ours_8bit", "ours_sr"):
+        for f in ("ours_8bit", "ours_sr", "ours_fused"):
             row = by.get(f"{f}_{kind}")
             if exact and row and exact.get("probe_accuracy") is not None:
                 result.setdefault("accuracy_vs_exact", {})[f"{f}_{kind}"] = {
@@ -768,13 +782,13 @@ def merge(paths: list[str], out: str) -> None:
 
 def family_of(mode: str) -> str | None:
     """Which of our params families a row mode runs under (None: a TRL mode)."""
-    for family in ("ours_lora", "ours_8bit", "ours_sr", "ours"):
+    for family in ("ours_lora", "ours_8bit", "ours_sr", "ours_fused", "ours"):
         if mode.startswith(family + "_"):
             return family
     return None
 
 
-OUR_FAMILIES = ("ours", "ours_8bit", "ours_sr", "ours_lora")
+OUR_FAMILIES = ("ours", "ours_8bit", "ours_sr", "ours_fused", "ours_lora")
 # Rough rates for the expected-duration print (tokens/s of a training loop; seconds a stage spends starting, loading
 # and exporting), from bench/results (0.5B, 7B) and scaled by parameters for the rest: a planning aid, not a result.
 RATE_PER_BPARAM = {"ours": 36_000, "ours_lora": 80_000, "trl": 26_000, "trl_default": 17_000, "trl_peft": 14_000}

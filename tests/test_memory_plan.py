@@ -121,3 +121,22 @@ def test_a_plan_that_cannot_fit_is_refused_naming_settings_that_fit():
     # the same run fits a 141 GB H200 in fp32_master_8bit without any checkpointing
     s8 = train_settings(gpus=1, precision="bf16", micro_batch_tokens=8192, optimizer={"state": "fp32_master_8bit"})
     assert estimate(cfg, "lm_head", s8, 8192, device_bytes=141 * 10 ** 9, graphed=True).fits is True
+
+
+def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
+    """train.activation_checkpointing: auto: none on CPU (nothing to fit) or where the plan fits as is; else the
+    smallest N whose plan fits (N - 1 does not); every layer when nothing fits (then refused by check_fits)."""
+    import gpu_bench
+    from dataclasses import replace
+    from stages.engine.memory_plan import fewest_checkpointed
+    cfg = gpu_bench.qwen2_config("qwen2.5-7b", 0).to_dict()
+    s = train_settings(gpus=1, precision="bf16", activation_checkpointing="auto", max_grad_norm=0.0,
+                       optimizer={"state": "exact", "fused_backward": True})
+    assert fewest_checkpointed(cfg, "lm_head", s, 8192, 1, None, "cpu", False).checkpointed_layers == 0
+    h200 = int(139.8 * 2 ** 30)
+    plan = fewest_checkpointed(cfg, "lm_head", s, 8192, 1, h200, "cuda", False)
+    n = plan.checkpointed_layers
+    assert 0 < n < 28 and plan.fits
+    assert estimate(cfg, "lm_head", replace(s, activation_checkpointing=n - 1), 8192, 1, h200, "cuda").fits is False
+    tiny = fewest_checkpointed(cfg, "lm_head", s, 8192, 1, 10 * 2 ** 30, "cuda", False)
+    assert tiny.checkpointed_layers == 28 and tiny.fits is False

@@ -100,12 +100,14 @@ def test_checkpointing_some_layers_changes_no_bit_and_counts_them(assets):
     assert enable_activation_checkpointing(hf, train_settings(activation_checkpointing=1)) == 1
     flags = [m.gradient_checkpointing for m in hf.model.layers]
     assert flags == [True, False]
-    for ac in (False, 1, True):
+    for ac in (False, 1, True, "auto"):
         params = write_params(assets / f"p{ac}.yaml", train={"activation_checkpointing": ac})
         info = train_rm.main(stage_args(assets, "--out-dir", assets / f"ac{ac}", params))
-        assert info["memory_plan"]["checkpointed_layers"] == (2 if ac is True else int(ac))
+        assert info["memory_plan"]["checkpointed_layers"] == (2 if ac is True else 0 if ac == "auto" else int(ac))
+        assert info["settings"]["activation_checkpointing"] == ac
     assert_identical_runs(assets / "acFalse", assets / "ac1")
     assert_identical_runs(assets / "acFalse", assets / "acTrue")
+    assert_identical_runs(assets / "acFalse", assets / "acauto")     # CPU: nothing to fit, no layer checkpointed
 
 
 def _equal_within(a, b, rtol):

@@ -26,7 +26,7 @@ import csv
 import io
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,7 @@ from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disabl
                                 seed_everything, wrap_model)
 from stages.engine.export import export_model
 from stages.engine.objectives import Objective
-from stages.engine.memory_plan import check_fits, estimate as estimate_memory, read_config
+from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
 from stages.engine.optim import LRSchedule, MasterWeightAdamW, build_optimizer, check_optimizer_settings
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.engine.steps import make_steps
@@ -127,9 +127,10 @@ class Run:
 
 
 def plan_memory(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
-                plans: list[StepPlan]) -> dict | None:
+                plans: list[StepPlan]) -> tuple[dict | None, int | None]:
     """The memory plan (stages/engine/memory_plan.py) from config.json alone: logged by part, refused when it cannot
-    fit this GPU (naming settings that would). None for a model family it cannot count (logged)."""
+    fit this GPU (naming settings that would). -> (its record, or None for a model family it cannot count (logged);
+    the number of layers to checkpoint when train.activation_checkpointing is auto: the fewest that fit, else None)."""
     from stages.engine.steps import cuda_graphs_unavailable
     cfg = read_config(model_dir)
     tokens = max((int(train_pairs.pair_tokens[mb].sum()) for s in plans for r in s.rank_micro_batches for mb in r),
@@ -137,18 +138,21 @@ def plan_memory(objective: Objective, settings: TrainSettings, env: DistEnv, mod
     cuda = env.device.type == "cuda"
     device_bytes = torch.cuda.get_device_properties(env.device).total_memory if cuda else None
     graphed = cuda_graphs_unavailable(settings, env) is None
+    auto = settings.activation_checkpointing == "auto"
     try:
-        plan = estimate_memory(cfg, objective.head, settings, tokens, env.world_size, device_bytes, env.device.type,
-                               graphed)
+        plan = (fewest_checkpointed(cfg, objective.head, settings, tokens, env.world_size, device_bytes,
+                                    env.device.type, graphed) if auto else
+                estimate_memory(cfg, objective.head, settings, tokens, env.world_size, device_bytes, env.device.type,
+                                graphed))
     except (ValueError, KeyError) as e:
         log.info("memory plan: none (%s)", e)
-        return None
+        return None, 0 if auto else None
     log.info("memory plan per %s: %s, %d parameters (%d trained), largest micro-batch %d tokens, %d of %d layers "
              "checkpointed", "GPU" if cuda else "process", plan.describe(), plan.parameters, plan.trainable,
              plan.micro_batch_tokens, plan.checkpointed_layers, plan.layers)
     check_fits(plan, cfg, objective.head, settings, env.world_size, env.device.type, graphed,
                torch.cuda.get_device_name(env.device) if cuda else "the device")
-    return plan.record()
+    return plan.record(), plan.checkpointed_layers if auto else None
 
 
 def enable_activation_checkpointing(hf: nn.Module, settings: TrainSettings) -> int:
@@ -181,7 +185,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     check_optimizer_settings(settings, env.world_size,
                              max((len(x) for s in plans for x in s.rank_micro_batches), default=0),
                              max(step_tokens, default=0))
-    memory = plan_memory(objective, settings, env, model_dir, train_pairs, plans)
+    memory, auto_layers = plan_memory(objective, settings, env, model_dir, train_pairs, plans)
     startup.mark("plan")
     seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
     # fp32 weights read straight into GPU memory (no CPU copy; the cast to bf16 below happens there, as before):
@@ -196,7 +200,8 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     # After disable_dropout: train.adapter.dropout is the adapters' own, asked for explicitly.
     check_adapter_settings(settings.adapter, settings, hf, objective.head)
     adapter = attach_adapter(hf, settings.adapter, objective.head) if settings.adapter else None
-    enable_activation_checkpointing(hf, settings)
+    enable_activation_checkpointing(hf, settings if auto_layers is None
+                                    else replace(settings, activation_checkpointing=auto_layers))
     module.to(env.device)
     masters = None
     if compute_dtype(settings) != torch.float32 and settings.optimizer_state == "bf16_sr_8bit":

@@ -186,6 +186,20 @@ def estimate(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: 
                       overhead=overhead, device_bytes=device_bytes)
 
 
+def fewest_checkpointed(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: int, world_size: int,
+                        device_bytes: int | None, device_type: str, graphed: bool) -> MemoryPlan:
+    """train.activation_checkpointing: auto -> the plan with the fewest checkpointed (first) layers that fits the
+    device (none where nothing is to fit: CPU), or with every layer checkpointed when none fits (check_fits then
+    refuses it)."""
+    layers = _dims(cfg)["L"]
+    for n in range(layers + 1):
+        plan = estimate(cfg, head, replace(settings, activation_checkpointing=n), micro_batch_tokens, world_size,
+                        device_bytes, device_type, graphed)
+        if plan.fits is not False:
+            return plan
+    return plan
+
+
 def alternatives(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: int, world_size: int,
                  device_bytes: int, device_type: str, graphed: bool, limit: int = 4) -> list[tuple[str, MemoryPlan]]:
     """Settings that would fit, least change first: activation checkpointing of as few layers as needed, then each

@@ -39,7 +39,7 @@ class TrainSettings:
     precision: str                     # GPU: autocast = fp32 weights + bf16 autocast; bf16 = bf16 weights, fp32 master
     share_prompt: bool                 # compute a pair's shared prompt once (packing.PackedBatch)
     cuda_graphs: int                   # GPU, one process: at most N padded batch shapes replayed as CUDA graphs
-    activation_checkpointing: bool | int   # false / true / the first N decoder layers (checkpointed_layers)
+    activation_checkpointing: bool | int | str   # false / true / the first N decoder layers / auto (memory plan)
     save_every: int                    # checkpoint every N optimizer steps (and after the last); 0 = never
     keep_checkpoints: int              # complete checkpoints of a run kept on disk (the newest ones)
     adapter: dict | None = None        # None = full fine-tuning; {type: lora, ...}: stages/engine/adapters.py
@@ -65,8 +65,11 @@ class TrainSettings:
         return bool((self.optimizer or {}).get("fused_backward", False))
 
     def checkpointed_layers(self, n_layers: int) -> int:
-        """How many of the model's n_layers decoder layers (the first ones) recompute their activations."""
+        """How many of the model's n_layers decoder layers (the first ones) recompute their activations (auto: 0
+        here; the loop resolves it from the memory plan, loop.plan_memory)."""
         ac = self.activation_checkpointing
+        if ac == "auto":
+            return 0
         if isinstance(ac, bool):
             return n_layers if ac else 0
         return min(int(ac), n_layers)
