@@ -263,7 +263,7 @@ if triton is not None:
         w = w * (1.0 - lr * weight_decay)
         m = beta1 * m + one_minus_beta1 * g
         v = beta2 * v + one_minus_beta2 * g * g
-        s = tl.sqrt_rn(v)
+        s = tl.math.sqrt_rn(v)
         w = w - step_size * tl.math.div_rn(m, tl.math.div_rn(s, bias2_sqrt) + eps)
         am = tl.max(tl.abs(m), axis=1)
         ym = tl.math.div_rn(tl.abs(m), tl.where(am > 0, am, 1.0)[:, None])
