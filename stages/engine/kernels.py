@@ -256,9 +256,9 @@ if triton is not None:
         scode = tl.load(sc_ptr + offs, mask=mask, other=0).to(tl.int32)
         mscale = tl.load(msc_ptr + rows, mask=rmask, other=0.0)
         sscale = tl.load(ssc_ptr + rows, mask=rmask, other=0.0)
-        m = _decode8(mcode & 0x7F, 15, 2.0 ** -17) * mscale[:, None]
+        m = _decode8(mcode & 0x7F, 15, 7.62939453125e-06) * mscale[:, None]       # 2^-17: the subnormal step
         m = tl.where(mcode >= 128, -m, m)
-        s = _decode8(scode, 31, 2.0 ** -33) * sscale[:, None]
+        s = _decode8(scode, 31, 1.16415321826934814453125e-10) * sscale[:, None]  # 2^-33
         v = s * s
         w = w * (1.0 - lr * weight_decay)
         m = beta1 * m + one_minus_beta1 * g
@@ -267,10 +267,11 @@ if triton is not None:
         w = w - step_size * tl.math.div_rn(m, tl.math.div_rn(s, bias2_sqrt) + eps)
         am = tl.max(tl.abs(m), axis=1)
         ym = tl.math.div_rn(tl.abs(m), tl.where(am > 0, am, 1.0)[:, None])
-        new_m = _encode8(ym, 15, 2.0 ** -14, 2.0 ** 17)
+        new_m = _encode8(ym, 15, 6.103515625e-05, 131072.0)       # 2^-14, 2^17
         new_m = tl.where((m < 0) & (new_m > 0), new_m | 128, new_m)
         a_s = tl.max(s, axis=1)
-        new_s = _encode8(tl.math.div_rn(s, tl.where(a_s > 0, a_s, 1.0)[:, None]), 31, 2.0 ** -30, 2.0 ** 33)
+        new_s = _encode8(tl.math.div_rn(s, tl.where(a_s > 0, a_s, 1.0)[:, None]), 31,
+                         9.31322574615478515625e-10, 8589934592.0)     # 2^-30, 2^33
         tl.store(mc_ptr + offs, new_m.to(tl.uint8), mask=mask)
         tl.store(sc_ptr + offs, new_s.to(tl.uint8), mask=mask)
         tl.store(msc_ptr + rows, am, mask=rmask)
