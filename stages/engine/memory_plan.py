@@ -23,6 +23,9 @@ Bytes (n = trainable parameters, N = all; b = 2 under precision bf16 on one devi
             in bench/results/h200_7b_ea0d2f0), a checkpointed one a d (its input) + a 2h (cos, sin), plus one
             layer's full set while it is recomputed in backward; the LM head's log-prob chunk (C = min(chunk,
             T) positions): C V (2a + 8) (bf16 logits, fp32 log-softmax and their gradients); the hidden states a T d.
+  transient the CUDA-graph path's flat-buffer build (after the first backward, activations freed): the masters'
+            new flat copy beside the old tensors, when that exceeds the rest (fp32_master_8bit with small
+            micro-batches: weights + grads + 2 x masters > its 10 bytes a parameter + activations)
   overhead  1 GiB (CUDA context, cuBLAS workspaces) + 5% of the rest (allocator fragmentation).
 The plan is an estimate: the fit test leaves the overhead margin; the GPU bench reports planned vs measured peaks.
 """
@@ -118,12 +121,14 @@ class MemoryPlan:
     masters: int
     moments: int
     activations: int
+    transient: int                    # the flat optimizer's build beyond the rest (fp32_master_8bit's masters copy)
     overhead: int
     device_bytes: int | None          # None: a CPU run (nothing to fit)
 
     @property
     def total(self) -> int:
-        return self.weights + self.grads + self.masters + self.moments + self.activations + self.overhead
+        return (self.weights + self.grads + self.masters + self.moments + self.activations + self.transient
+                + self.overhead)
 
     def record(self) -> dict:
         return {**asdict(self), "total": self.total, "fits": self.fits}
@@ -135,7 +140,7 @@ class MemoryPlan:
     def describe(self) -> str:
         unit, size = ("GiB", GIB) if self.total >= GIB else ("MiB", 2 ** 20)
         parts = ", ".join(f"{k} {getattr(self, k) / size:.2f}" for k in
-                          ("weights", "grads", "masters", "moments", "activations", "overhead"))
+                          ("weights", "grads", "masters", "moments", "activations", "transient", "overhead"))
         return f"{self.total / size:.2f} {unit} ({parts} {unit})"
 
 
@@ -179,11 +184,16 @@ def estimate(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: 
     if head == "lm_head":
         c = min(settings.logp_chunk_tokens, t)
         act += c * x["V"] * (2 * a + 8)
-    base = weights + grads + masters + moments + act
+    static = weights + grads + masters + moments
+    # The CUDA-graph path builds its flat buffers after the first backward (activations freed), one kind at a
+    # time, each new buffer beside the tensors it replaces: the masters' copy is the largest (flat_adamw).
+    build = weights + grads + masters + max(masters, weights) if graphed and not settings.fused_backward else 0
+    transient = max(0, build - static - act)
+    base = static + act + transient
     overhead = (FIXED_OVERHEAD if device_type == "cuda" else 0) + int(FRAGMENTATION * base)
     return MemoryPlan(parameters=n_all, trainable=n_train, micro_batch_tokens=t, checkpointed_layers=ckpt,
                       layers=layers, weights=weights, grads=grads, masters=masters, moments=moments, activations=act,
-                      overhead=overhead, device_bytes=device_bytes)
+                      transient=transient, overhead=overhead, device_bytes=device_bytes)
 
 
 def fewest_checkpointed(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: int, world_size: int,
