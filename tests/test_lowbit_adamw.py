@@ -153,7 +153,7 @@ def test_modes_track_an_fp64_adamw_over_many_steps(state, bf16):
     compounds through beta1 = 0.9 to RMS ~0.03 / sqrt(1 - 0.81) ~ 0.07. Together ~0.1 of each element's
     displacement, 2x margin. Stochastic rounding adds a random walk of <= ulp / 2 * sqrt(400) ~ 0.02-0.04 per
     weight (ulp 2^-9..2^-8 at the weights' ~0.5) against a ~0.2 mean displacement. Measured: 0.09-0.14 (masters),
-    0.13-0.16 (stochastic rounding); round-to-nearest bf16 in place of stochastic rounding gives ~1."""
+    0.13-0.16 (stochastic rounding); round-to-nearest bf16 in place of stochastic rounding gives 0.73."""
     torch.manual_seed(0)
     w0 = torch.randn(3 * BLOCK + 17) * 0.5
     grads = _gradient_stream(w0.shape, 400, 1)
