@@ -137,3 +137,29 @@ def test_two_processes_train_each_mode_like_one(assets, parallel, mode):
                                              resume=checkpoint_at(assets / "ck", 4)))
     assert read_json(assets / "resumed/run_info.json")["resumed_from_step"] == 4
     assert_identical_runs(assets / "two", assets / "resumed")
+
+
+LORA = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "export": "adapter",
+        "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("mode", ["fp32_master_8bit_bf16", "bf16_sr_8bit"])
+def test_lora_trains_and_resumes_bitwise_in_the_low_bit_modes(assets, mode):
+    """train.adapter with each low-bit state: only the adapters (and the reward head) get 8-bit moments; the loss
+    curve follows the exact state's on the same adapters (measured within 1e-3: 0.4997 vs 0.4999 at the end) and
+    falls; a resume from its checkpoint (trainable state only) equals the whole run."""
+    from stages import train_rm
+    exact = write_params(assets / "exact.yaml", train={"adapter": LORA, "lr": 1e-2, "precision": "bf16"})
+    train_rm.main(stage_args(assets, "--out-dir", assets / "exact", exact))
+    params = write_params(assets / "p.yaml", train={"save_every": 2, "keep_checkpoints": 4, "adapter": LORA,
+                                                    "lr": 1e-2, **MODES[mode]})
+    full = train_rm.main(ckpt_args(assets, "full", params, assets / "ck"))
+    assert full["adapter"]["trainable_parameters"] == full["memory_plan"]["trainable"]
+    assert full["memory_plan"]["trainable"] < full["memory_plan"]["parameters"] / 5
+    train_rm.main(ckpt_args(assets, "resumed", params, assets / "ck2", resume=checkpoint_at(assets / "ck", 4)))
+    la, lb = pd.read_csv(assets / "full/train_log.csv"), pd.read_csv(assets / "resumed/train_log.csv")
+    pd.testing.assert_frame_equal(la, lb, check_exact=True)
+    for f in ("probe_final.jsonl", "model/adapter_model.safetensors"):
+        assert (assets / "full" / f).read_bytes() == (assets / "resumed" / f).read_bytes(), f
+    assert la.loss.iloc[-1] < 0.8 * la.loss.iloc[0]
+    np.testing.assert_allclose(la.loss, pd.read_csv(assets / "exact/train_log.csv").loss, rtol=0.02)
