@@ -35,6 +35,16 @@ ADAM_BLOCK = 2048
 NORM_BLOCK = 8192
 
 
+def release_freed_memory(device: torch.device) -> None:
+    """Give the blocks a migration just freed (the per-tensor weights, gradients or masters now living in one flat
+    buffer) back to the driver. The caching allocator keeps them otherwise, scattered in the sizes the model load
+    made them, where no later flat buffer fits: on the 7B shape 57 GiB stayed reserved but unallocated after the
+    build and the second step ran out of memory (bench/results/h200_7b_issue30)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 class FlatMasterAdamW:
     """Owns the flat buffers of a MasterWeightAdamW (see the module docstring); `step` replaces
     grads_to_master + clip + optimizer.step() + zero_grad for the graph path."""
@@ -114,15 +124,18 @@ class FlatMasterAdamW:
         for p, m, o, n in entries:
             self.param[o:o + n].copy_(p.reshape(-1))
             p.data = self.param[o:o + n].view_as(p)
+        release_freed_memory(p0.device)
         self.grad = torch.zeros(offset, dtype=p0.dtype, device=p0.device)
         for p, m, o, n in entries:
             self.grad[o:o + n].copy_(p.grad.reshape(-1))
             p.grad = self.grad[o:o + n].view_as(p)      # backward accumulates in place into this view
+        release_freed_memory(p0.device)
         self.master = torch.zeros(offset, dtype=torch.float32, device=m0.device)
         for p, m, o, n in entries:
             self.master[o:o + n].copy_(m.reshape(-1))
             m.data = self.master[o:o + n].view_as(m)
             m.grad = None
+        release_freed_memory(p0.device)
         self.step_count = torch.full((), steps.pop() if steps else 0.0, dtype=torch.float32, device=m0.device)
         for name in ("exp_avg", "exp_avg_sq"):
             buf = torch.zeros_like(self.master)
@@ -239,6 +252,7 @@ class FlatLowBitAdamW:
             for p, t, o, n in entries:
                 buf[o:o + n].copy_(get(p, t).reshape(-1))
                 put(p, t, buf[o:o + n])
+            release_freed_memory(dev)
             return buf
 
         def set_data(p, t, view):
