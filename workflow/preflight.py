@@ -9,7 +9,7 @@ the Snakemake API) stop before anything runs or dvc.yaml is written:
   GPUs when the jobs run on this machine (`jobs_run_here`);
 * Snakemake's config equal to params.yaml (DVC reads params.yaml only: a --config override would make the two
   tools disagree about what ran);
-* every data source names data files (stages/normalize.py resolve_source_files): a missing file would
+* every data source names data files (stages/data/sources.py resolve_source_files): a missing file would
   otherwise leave normalize an input nothing can make, and Snakemake, finding normalize's old outputs, drops
   the rule from the DAG instead of failing: dvc.yaml lost the stage and the run claimed data it never read.
 """
@@ -56,7 +56,7 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
     """The checks above; returns params.yaml as read, or refuses (one line, exit 1)."""
     from stages.lib.cli import one_line
     from stages.lib.params import ParamsError, preflight_params
-    from stages.normalize import SourceError, resolve_source_files
+    from stages.data.sources import SourceError, resolve_source_files
 
     try:
         params = preflight_params(params_path, gpus_here=jobs_run_here(workflow))

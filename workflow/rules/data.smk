@@ -1,9 +1,9 @@
 # Data stages: raw sources -> canonical pairs -> frozen probe + train split.
 
-# The stage module owns the expansion of a source's glob / directory into its files: these inputs
+# The data package owns the expansion of a source's glob / directory into its files: these inputs
 # (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads. (common.smk puts
 # the repository on sys.path; the Snakefile's pre-flight has refused a source naming no data file.)
-from stages.normalize import resolve_source_files
+from stages.data.sources import resolve_source_files
 
 
 rule normalize:
