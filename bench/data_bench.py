@@ -119,7 +119,8 @@ def ceiling(work: Path, tok_dir: Path, n_pairs: int) -> dict:
     """Raw tokenizer throughput, one thread, on the full renderings of the first n train pairs."""
     import pyarrow.parquet as pq
 
-    from stages.tokenize import PairTokenizer, load_tokenizer
+    from stages.data.pair_tokenizer import PairTokenizer
+    from stages.data.tokenizer import load_tokenizer
 
     pf = pq.ParquetFile(work / "results" / "train.parquet")
     pairs = []
