@@ -71,8 +71,8 @@ def test_truncate_completion_policy(gpt2, hh_pairs):
     assert [t["pair_id"] for t in result.truncations] == [
         p["pair_id"] for p in hh_pairs if reasons[p["pair_id"]] == "sequence_too_long"]
     assert {t["reason"] for t in result.truncations} == {"completion_cut"}
-    assert truncated_by_reason(result.truncations) == {"completion_cut": result.truncated,
-                                                           "prompt_turns_dropped": 0, "prompt_text_cut": 0}
+    assert truncated_by_reason(result.truncations) == dict.fromkeys(TRUNCATION_REASONS, 0) | {
+        "completion_cut": result.truncated}
 
 
 def expected_branch(tok, prompt: list[dict], completion: list[dict]) -> tuple[list[int], str]:
@@ -99,9 +99,10 @@ def fits(pair_tok: PairTokenizer, prompt: list[dict], pair: dict, limits: Tokeni
     return _expected_reason(row, limits) is None
 
 
-def test_limits_accept_keep_end():
-    limits = TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 32, "truncation": "keep_end"})
-    assert limits.as_dict() == {"max_length": 64, "max_prompt_length": 32, "truncation": "keep_end"}
+@pytest.mark.parametrize("truncation", ["keep_end", "keep_end_then_completion"])
+def test_limits_accept_the_prompt_cutting_modes(truncation):
+    limits = TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 32, "truncation": truncation})
+    assert limits.as_dict() == {"max_length": 64, "max_prompt_length": 32, "truncation": truncation}
 
 
 @pytest.mark.parametrize("tokenizer, limits", [
@@ -236,11 +237,12 @@ def test_an_over_long_row_is_rejected_by_its_characters_without_tokenizing_it(gp
     assert "more than max_prompt_length 48 tokens can hold (6144 characters" in prompt_over["detail"]
 
 
-def test_truncate_completion_cuts_the_text_first_and_keeps_the_same_tokens(gpt2, hh_pairs):
-    """truncate_completion: completions over 64 x 128 characters are cut at a space past that bound before
-    tokenizing; the kept tokens are those of the whole text (the real GPT-2 tokenizer on the whole rendering),
-    the records differ only in the untokenized branch's count (null)."""
-    limits = TokenizeLimits(truncation="truncate_completion", **GUARD_LIMITS)
+@pytest.mark.parametrize("truncation", ["truncate_completion", "keep_end_then_completion"])
+def test_truncate_completion_cuts_the_text_first_and_keeps_the_same_tokens(gpt2, hh_pairs, truncation):
+    """truncate_completion (and keep_end_then_completion, whose prompts fit here): completions over 64 x 128
+    characters are cut at a space past that bound before tokenizing; the kept tokens are those of the whole text
+    (the real GPT-2 tokenizer on the whole rendering), the records differ only in the untokenized branch's count."""
+    limits = TokenizeLimits(truncation=truncation, **GUARD_LIMITS)
     pairs = [as_pair({"prompt": p["prompt"], "chosen": [A(long_text(p["chosen"][0]["content"], 20_000))],
                       "rejected": [A(long_text(p["rejected"][0]["content"], 9_000 + 1000 * k))]}, k)
              for k, p in enumerate(short_prompt_pairs(hh_pairs)[:12])]
@@ -278,4 +280,117 @@ def test_keep_end_never_tokenizes_a_prompt_it_cannot_keep_and_keeps_the_same_tok
     assert {t["reason"] for t in bounded.truncations} == {"prompt_turns_dropped", "prompt_text_cut"}
     for cut, ref in zip(bounded.truncations, whole.truncations):
         assert cut["prompt_tokens_before"] is None and ref["prompt_tokens_before"] > limits.max_length
+        assert _strip_before_counts(cut) == _strip_before_counts(ref)
+
+
+# keep_end_then_completion ---------------------------------------------------------------------
+
+def trl_keep_end(prompt_ids: list[int], completion_ids: list[int], max_prompt_length: int, max_completion_length: int,
+                 max_length: int) -> list[int]:
+    """One branch as TRL's DPOTrainer (v0.14 to v0.28) truncates it, written from its code: tokenize_row keeps
+    prompt_input_ids[-max_prompt_length:] and completion_input_ids[:max_completion_length], then
+    concatenated_forward under truncation_mode="keep_end" keeps the last max_length tokens of the sequence."""
+    ids = prompt_ids[-max_prompt_length:] + completion_ids[:max_completion_length]
+    return ids[-max_length:]
+
+
+@pytest.mark.parametrize("tokenizer, limits", [
+    ("gpt2", TokenizeLimits(max_length=256, max_prompt_length=128, truncation="keep_end_then_completion")),
+    ("embedded", TokenizeLimits(max_length=1024, max_prompt_length=256, truncation="keep_end_then_completion")),
+])
+def test_keep_end_then_completion_keeps_the_pairs_keep_end_rejects(request, hh_pairs, tokenizer, limits):
+    """Real HH rows over the limits: the prompt is cut from the left (keep_end's rule) only as far as
+    max_prompt_length, then each branch keeps its first max_length tokens. Every pair keep_end must reject (a
+    completion alone over max_length) is kept; each kept pair is exactly the tokenization of the kept conversation,
+    cut; where the prompt needed no cut the tokens are TRL's keep_end + max_completion_length (= max_length - the
+    prompt's tokens), and where it did (plain rendering) they end as TRL's do, a suffix of its max_prompt_length
+    prompt tokens. Before: no such mode (tokenize.truncation refused it)."""
+    tok = request.getfixturevalue(tokenizer)
+    pair_tok = PairTokenizer(tok)
+    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
+    keep_end = tokenize_pairs(pair_tok, hh_pairs, TokenizeLimits(limits.max_length, limits.max_prompt_length,
+                                                                  "keep_end"), "train")
+    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    assert {r["reason"] for r in keep_end.rejections} == {"sequence_too_long"} and result.rejections == []
+    records = {t["pair_id"]: t for t in result.truncations}
+    assert set(records) == {pid for pid, r in full.items() if _expected_reason(r, limits)}
+    counts = truncated_by_reason(result.truncations)
+    assert counts["completion_cut"] and counts["prompt_and_completion_cut"] and counts["prompt_turns_dropped"]
+    assert sum(counts.values()) == result.truncated == len(records)
+    pairs = {p["pair_id"]: p for p in hh_pairs}
+    for row in result.rows:
+        ref, record = full[row["pair_id"]], records.get(row["pair_id"])
+        if record is None:
+            assert row == ref  # pairs within the limits are untouched
+            continue
+        pair = pairs[row["pair_id"]]
+        kept = kept_prompt(pair, record)
+        prompt_cut = record["reason"] != "completion_cut"
+        assert prompt_cut == (ref["chosen_prompt_len"] > limits.max_prompt_length) == (kept != pair["prompt"])
+        completion_cut = record["reason"] in ("completion_cut", "prompt_and_completion_cut")
+        for side in ("chosen", "rejected"):
+            ids, n = row[f"{side}_ids"], row[f"{side}_prompt_len"]
+            want_ids, prompt_text = expected_branch(tok, kept, pair[side])
+            assert ids == want_ids[:limits.max_length] and decode(tok, ids[:n]) == prompt_text
+            assert n <= limits.max_prompt_length and n < len(ids) <= limits.max_length
+            ref_ids, ref_n = ref[f"{side}_ids"], ref[f"{side}_prompt_len"]
+            if not prompt_cut:
+                assert ids == trl_keep_end(ref_ids[:ref_n], ref_ids[ref_n:], limits.max_prompt_length,
+                                           limits.max_length - ref_n, limits.max_length)
+            elif not tok.chat_template and record["reason"] != "prompt_text_cut" and record["prompt_chars_dropped"] == 0:
+                # whole turns dropped: the kept prompt's tokens are the last ones of the whole prompt's
+                assert ids[:n] == ref_ids[:ref_n][-n:] and n <= len(ref_ids[:ref_n][-limits.max_prompt_length:])
+        if prompt_cut:
+            # the least cut: starting one user turn earlier (when there is one) would leave the prompt over
+            dropped = record["prompt_messages_dropped"]
+            earlier = [j for j in range(dropped) if pair["prompt"][j]["role"] == "user"]
+            if earlier and record["prompt_chars_dropped"] == 0:
+                [longer] = tokenize_pairs(pair_tok, [dict(pair, prompt=pair["prompt"][max(earlier):])], UNLIMITED,
+                                          "train").rows
+                assert longer["chosen_prompt_len"] > limits.max_prompt_length
+        assert completion_cut == (max(len(row["chosen_ids"]), len(row["rejected_ids"])) == limits.max_length
+                                  and max(len(want) for want in (expected_branch(tok, kept, pair["chosen"])[0],
+                                                                 expected_branch(tok, kept, pair["rejected"])[0]))
+                                  > limits.max_length)
+        assert record["chosen_tokens_before"] == len(ref["chosen_ids"]) and record["chosen_tokens"] == len(
+            row["chosen_ids"])
+
+
+def test_keep_end_then_completion_rejects_only_what_no_cut_can_fit(embedded):
+    """A system message over max_prompt_length is kept by every prompt cut: prompt_too_long, named as this mode's."""
+    limits = TokenizeLimits(max_length=96, max_prompt_length=64, truncation="keep_end_then_completion")
+    words = " ".join(f"w{i}" for i in range(300))
+    long_system = as_pair({"prompt": [S(words), U("Q?")], "chosen": [A("Yes.")], "rejected": [A("No.")]}, 3)
+    long_answer = as_pair({"prompt": [U("Q?")], "chosen": [A(words)], "rejected": [A("No.")]}, 4)
+    result = tokenize_pairs(PairTokenizer(embedded), [long_system, long_answer], limits, "probe")
+    [rejection] = result.rejections
+    assert (rejection["pair_id"], rejection["reason"]) == (long_system["pair_id"], "prompt_too_long")
+    assert rejection["detail"].startswith("keep_end_then_completion cannot fit the pair")
+    [record] = result.truncations
+    assert (record["pair_id"], record["reason"], record["exceeded"]) == (long_answer["pair_id"], "completion_cut",
+                                                                         ["max_length"])
+
+
+def test_keep_end_then_completion_bounds_the_cost_and_keeps_the_same_tokens(gpt2, hh_pairs):
+    """A prompt over 48 x 128 characters and a completion over 64 x 128: neither is tokenized whole (the prompt's
+    candidates over the bound not at all, the completion up to a space past the bound), and the kept tokens and
+    choices are those of tokenizing everything."""
+    limits = TokenizeLimits(truncation="keep_end_then_completion", **GUARD_LIMITS)
+    pairs = []
+    for k, p in enumerate(hh_pairs[:8]):
+        text = p["prompt"][-1]["content"]
+        pairs.append(as_pair({"prompt": [U(long_text(text, 12_000)), A("Sure."), U(text)],
+                              "chosen": [A(long_text(p["chosen"][0]["content"], 20_000))],
+                              "rejected": p["rejected"]}, k))
+        pairs.append(as_pair({"prompt": [U(long_text(text, 12_000))], "chosen": p["chosen"],
+                              "rejected": p["rejected"]}, 100 + k))
+    bounded = tokenize_pairs(PairTokenizer(gpt2), pairs, limits, "train")
+    whole = tokenize_pairs(PairTokenizer(gpt2, bound_chars=False), pairs, limits, "train")
+    assert bounded.rows == whole.rows and len(bounded.rows) == len(pairs) and bounded.rejections == []
+    # both cut, the prompt by whole turns (the huge old turn) or by its text (one huge turn)
+    assert {t["reason"] for t in bounded.truncations} == {"prompt_and_completion_cut"}
+    assert {t["prompt_chars_dropped"] > 0 for t in bounded.truncations} == {True, False}
+    for cut, ref in zip(bounded.truncations, whole.truncations):
+        assert cut["prompt_tokens_before"] is None and ref["prompt_tokens_before"] > limits.max_prompt_length
+        assert "max_prompt_length" in cut["exceeded"]
         assert _strip_before_counts(cut) == _strip_before_counts(ref)

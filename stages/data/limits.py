@@ -7,6 +7,12 @@
         truncate_completion     completions cut to max_length (`completion_cut`); a prompt over is rejected
         keep_end                completions whole; the prompt loses its oldest turns, or its last user turn's
                                 leading text (`prompt_turns_dropped`, `prompt_text_cut`)
+        keep_end_then_completion   the prompt cut from the left as keep_end cuts it, but only to
+                                max_prompt_length; then each branch cut to its first max_length tokens
+                                (`prompt_turns_dropped` / `prompt_text_cut` / `completion_cut`, or
+                                `prompt_and_completion_cut` when both were cut): TRL's keep_end with
+                                max_prompt_length and max_completion_length (stages/data/truncation.py says where
+                                it differs)
 
 TRUNCATION_REASONS are the codes of a kept, truncated pair (the report's `truncated_by_reason`, the probe token
 manifest's `truncated[].reason`); a pair that cannot be kept is a rejection (`prompt_too_long`, ...).
@@ -15,9 +21,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end")
+TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end", "keep_end_then_completion")
+PROMPT_CUTTING = ("keep_end", "keep_end_then_completion")   # the modes that re-render a pair with a shorter prompt
 # How a kept pair was cut (probe token manifest `truncated[].reason`, report `truncated_by_reason`).
-TRUNCATION_REASONS = ("completion_cut", "prompt_turns_dropped", "prompt_text_cut")
+TRUNCATION_REASONS = ("completion_cut", "prompt_turns_dropped", "prompt_text_cut", "prompt_and_completion_cut")
 
 
 class TokenizeError(ValueError):

@@ -13,6 +13,26 @@ For a pair whose prompt has more than max_prompt_length tokens or whose longer b
   word start where that still fits (reason `prompt_text_cut`). A pair that cannot fit even so (the completions
   leave no room, or the fixed part of the prompt is over max_prompt_length) is rejected as `sequence_too_long` /
   `prompt_too_long`.
+* `keep_end_then_completion` (TRL's truncation_mode="keep_end" with max_prompt_length and max_completion_length):
+  a prompt over max_prompt_length is cut from the left by keep_end's rule (oldest turns first, then the last user
+  turn's leading text, re-rendered), but only until the prompt fits max_prompt_length; then each branch still over
+  max_length keeps its first max_length tokens (its completion loses its end, and with it the EOS). Reasons
+  `prompt_turns_dropped` / `prompt_text_cut` (prompt only), `completion_cut` (completions only),
+  `prompt_and_completion_cut` (both: the record's messages/characters dropped say how the prompt was cut). Only a
+  prompt that cannot get under max_prompt_length (a system message that alone is over it) is rejected
+  (`prompt_too_long`), or a completion too long by its characters with no exact cut (`sequence_too_long`).
+  Against TRL's code (trl/trainer/dpo_trainer.py: v0.11 `_truncate_tokens`; v0.12 to v0.28 `tokenize_row`, which
+  keeps `prompt_input_ids[-max_prompt_length:]` and `completion_input_ids[:max_completion_length]`, then from
+  v0.14 `concatenated_forward`'s keep_end keeps the last max_length tokens): the same order (prompt from the left, then
+  completions from the right) and the same result when the prompt fits max_prompt_length, with
+  max_completion_length = max_length - the prompt's tokens (TRL's last keep_end cut then removes nothing). Where it
+  differs: (1) TRL cuts the prompt's token ids at any token, ours at a turn or a word start and re-renders it, so
+  the chat template's headers stay whole and the prompt may keep a few tokens fewer than max_prompt_length; (2) the
+  completion keeps what the kept prompt leaves of max_length, where TRL 0.11 keeps max_length - max_prompt_length
+  whatever the prompt's length and TRL 0.12+ its separate max_completion_length (not a knob here); (3) TRL 0.11
+  leaves a prompt over max_prompt_length alone when the whole pair fits max_length, here max_prompt_length always
+  holds (as in TRL 0.12+); (4) TRL 0.29 and 1.x have no max_prompt_length or max_completion_length: the collator cuts
+  the whole sequence (keep_start, or the deprecated keep_end from the left, which can cut into a completion).
 Every truncated pair gets a record (`truncations`: reason, token counts before/after, messages and characters
 dropped); the pair keeps its pair_id (the source pair), its token_hash is that of the truncated tokens. Pairs are
 tokenized each on its own: a pair's row does not depend on the pairs beside it (only encode batches differ).
@@ -20,12 +40,12 @@ tokenized each on its own: a pair's row does not depend on the pairs beside it (
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Iterable
 
 import pyarrow as pa
 
-from stages.data.limits import TokenizeLimits
+from stages.data.limits import PROMPT_CUTTING, TokenizeLimits
 from stages.data.pair_tokenizer import Branch, BranchRejected, NotTokenized, PairTokenizer
 from stages.lib.contracts import TOKENS_SCHEMA, token_hash
 
@@ -111,10 +131,13 @@ def _prompt_tokens(*branches: Branch | NotTokenized) -> int | None:
 
 
 def _over(b: Branch | NotTokenized, limits: TokenizeLimits) -> tuple[bool, bool]:
-    """(over max_prompt_length, over max_length) of an untruncated branch, also when it was not tokenized whole
-    (a NotTokenized prompt that reaches a truncation record is keep_end's: over max_length * R characters)."""
+    """(over max_prompt_length, over max_length) of an untruncated branch, also when it was not tokenized whole:
+    a NotTokenized completion is over max_length, a NotTokenized prompt over max_prompt_length, and over
+    max_length too when its characters prove that as well (more than max_length * R; always under keep_end, whose
+    prompts are bounded by max_length)."""
     if isinstance(b, NotTokenized):
-        return b.part == "prompt", True
+        chars_per_token = b.bound // b.tokens
+        return b.part == "prompt", b.part == "completion" or b.chars > limits.max_length * chars_per_token
     return b.prompt_len > limits.max_prompt_length, not b.whole or len(b.ids) > limits.max_length
 
 
@@ -136,7 +159,9 @@ def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict, prompts: list[lis
                     limits: TokenizeLimits | None = None) -> list[tuple[Branch, Branch] | None]:
     """(chosen, rejected) branches of the pair with each candidate prompt; None where one cannot be tokenized.
     With `limits`, a candidate whose characters prove it over them is not tokenized (None, as one that does not
-    fit: keep_end's callers only keep candidates that fit)."""
+    fit: cut_prompt only keeps candidates that fit). keep_end bounds a candidate by its own bounds (max_length * R
+    characters of prompt and of completion: what is over cannot fit); keep_end_then_completion by
+    max_prompt_length * R characters of prompt, its completions cut before tokenizing as truncate_completion's."""
     rendered, ok = [], []
     for prompt in prompts:
         try:
@@ -145,10 +170,6 @@ def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict, prompts: list[lis
         except BranchRejected:
             rendered += [("", ""), ("", "")]  # placeholders keep positions; never used
             ok.append(False)
-    if limits is not None:
-        # A candidate within keep_end's own bounds (max_length * R characters of prompt and of completion) is
-        # tokenized whole; one over them cannot fit, so it is not tokenized at all.
-        limits = replace(limits, truncation="keep_end")
     encoded = pair_tokenizer.encode(rendered, limits)
     out: list[tuple[Branch, Branch] | None] = []
     for k, good in enumerate(ok):
@@ -157,19 +178,26 @@ def _encode_prompts(pair_tokenizer: PairTokenizer, pair: dict, prompts: list[lis
     return out
 
 
-def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected: Branch,
-             limits: TokenizeLimits) -> tuple[Branch, Branch, dict] | tuple[str, str]:
-    """Cut the prompt from the left so the pair fits (module docstring, `keep_end`).
+def _prompt_fits(branches: Iterable[Branch | NotTokenized], limits: TokenizeLimits) -> bool:
+    return all(isinstance(b, Branch) and b.prompt_len <= limits.max_prompt_length for b in branches)
+
+
+def cut_prompt(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch | NotTokenized,
+               rejected: Branch | NotTokenized, limits: TokenizeLimits) -> tuple[Branch, Branch, dict] | tuple[str, str]:
+    """Cut the prompt from the left (module docstring): keep_end until the whole pair fits both limits,
+    keep_end_then_completion until the prompt fits max_prompt_length (its completions are cut after).
 
     Returns (chosen, rejected, truncation record), or (reason, detail) when nothing fits.
     """
+    mode = limits.truncation
+    fits = _fits if mode == "keep_end" else _prompt_fits
     prompt = list(pair["prompt"])
     head = 1 if prompt and prompt[0]["role"] == "system" else 0
     # Turn boundaries: the prompt may start at any later user turn (user/assistant keep alternating).
     starts = [j for j in range(head + 1, len(prompt)) if prompt[j]["role"] == "user"]
     candidates = [prompt[:head] + prompt[j:] for j in starts]
     for j, branches in zip(starts, _encode_prompts(pair_tokenizer, pair, candidates, limits)):
-        if branches is not None and _fits(branches, limits):
+        if branches is not None and fits(branches, limits):
             return (*branches, _truncation_record(pair, "prompt_turns_dropped", (chosen, rejected), branches,
                                                   limits, messages_dropped=j - head))
 
@@ -183,7 +211,7 @@ def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected
             return None
         message = {**last, "content": text[cut:]}
         [branches] = _encode_prompts(pair_tokenizer, pair, [prompt[:head] + [message]], limits)
-        return branches if branches is not None and _fits(branches, limits) else None
+        return branches if branches is not None and fits(branches, limits) else None
 
     # The last character alone is the least prompt this rule can keep; if even that does not fit, reject.
     smallest = max(i for i, ch in enumerate(text) if not ch.isspace()) if text.strip() else 0
@@ -194,7 +222,7 @@ def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected
         completions = (None if isinstance(chosen, NotTokenized) or isinstance(rejected, NotTokenized) else
                        max(len(chosen.ids) - chosen.prompt_len, len(rejected.ids) - rejected.prompt_len))
         least_prompt = max(b.prompt_len for b in minimal) if minimal else None
-        detail = (f"keep_end cannot fit the pair: the least prompt it can keep (the last turn's last character) "
+        detail = (f"{mode} cannot fit the pair: the least prompt it can keep (the last turn's last character) "
                   f"is {least_prompt} tokens and the longer completion {completions} tokens, under "
                   f"max_prompt_length {limits.max_prompt_length} and max_length {limits.max_length}")
         if least_prompt is not None and least_prompt > limits.max_prompt_length:
@@ -221,24 +249,51 @@ def keep_end(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch, rejected
                                       messages_dropped=dropped, chars_dropped=cut))
 
 
+def keep_end_then_completion(pair_tokenizer: PairTokenizer, pair: dict, chosen: Branch | NotTokenized,
+                             rejected: Branch | NotTokenized,
+                             limits: TokenizeLimits) -> tuple[Branch, Branch, dict] | tuple[str, str]:
+    """The prompt cut from the left to max_prompt_length (cut_prompt), then each branch cut to its first
+    max_length tokens (module docstring). Returns (chosen, rejected, truncation record), or (reason, detail)."""
+    c, r, prompt_cut = chosen, rejected, None
+    if not _prompt_fits((c, r), limits):
+        kept = cut_prompt(pair_tokenizer, pair, c, r, limits)
+        if len(kept) == 2:
+            return kept
+        c, r, prompt_cut = kept
+    if _fits((c, r), limits):
+        reason = prompt_cut["reason"]
+    else:  # prompt <= max_prompt_length < max_length: at least one completion token survives
+        c, r = Branch(c.ids[:limits.max_length], c.prompt_len), Branch(r.ids[:limits.max_length], r.prompt_len)
+        reason = "completion_cut" if prompt_cut is None else "prompt_and_completion_cut"
+    dropped = {} if prompt_cut is None else {"messages_dropped": prompt_cut["prompt_messages_dropped"],
+                                             "chars_dropped": prompt_cut["prompt_chars_dropped"]}
+    return c, r, _truncation_record(pair, reason, (chosen, rejected), (c, r), limits, **dropped)
+
+
 def _apply_limits(result: SplitResult, pair: dict, chosen: Branch | NotTokenized, rejected: Branch | NotTokenized,
                   limits: TokenizeLimits, pair_tokenizer: PairTokenizer | None = None) -> dict | None:
     prompt_tokens = _prompt_tokens(chosen, rejected)
     lengths = {"prompt_tokens": prompt_tokens, "chosen_tokens": _tokens(chosen), "rejected_tokens": _tokens(rejected)}
     # A branch not tokenized (bounded_text): its prompt or completion alone is over a limit, by characters. Only
-    # keep_end can still keep such a pair (its prompt over max_length * R characters: shorter prompts are tried).
+    # the modes that cut prompts can still keep such a pair when it is the prompt that is over (shorter prompts are
+    # tried): keep_end (its prompt over max_length * R characters), keep_end_then_completion (over
+    # max_prompt_length * R; a completion it would cut is cut before tokenizing, so one left untokenized had no
+    # exact cut).
     untokenized = sorted((b for b in (chosen, rejected) if isinstance(b, NotTokenized)), key=lambda b: b.part != "prompt")
-    if untokenized and not (limits.truncation == "keep_end" and untokenized[0].part == "prompt"):
+    cuts_the_prompt = (untokenized and limits.truncation == "keep_end" and untokenized[0].part == "prompt") or (
+        limits.truncation == "keep_end_then_completion" and all(b.part == "prompt" for b in untokenized))
+    if untokenized and not cuts_the_prompt:
         over = untokenized[0]
         side = "chosen" if over is chosen else "rejected"
         result.rejections.append(_rejection(result.split, pair, "prompt_too_long" if over.part == "prompt"
                                             else "sequence_too_long", f"{side}: {over.detail}", **lengths))
         return None
     longest = None if untokenized else max(len(chosen.ids), len(rejected.ids))
-    if limits.truncation == "keep_end" and not _fits((chosen, rejected), limits):
+    if limits.truncation in PROMPT_CUTTING and not _fits((chosen, rejected), limits):
         if pair_tokenizer is None:
-            raise TypeError("keep_end truncation re-renders the pair: pass the PairTokenizer")
-        kept = keep_end(pair_tokenizer, pair, chosen, rejected, limits)
+            raise TypeError(f"{limits.truncation} truncation re-renders the pair: pass the PairTokenizer")
+        cut = cut_prompt if limits.truncation == "keep_end" else keep_end_then_completion
+        kept = cut(pair_tokenizer, pair, chosen, rejected, limits)
         if len(kept) == 2:
             result.rejections.append(_rejection(result.split, pair, kept[0], kept[1], **lengths))
             return None
@@ -270,7 +325,6 @@ def _apply_limits(result: SplitResult, pair: dict, chosen: Branch | NotTokenized
             "rejected_ids": rejected.ids, "rejected_prompt_len": rejected.prompt_len,
             "margin": pair.get("margin"),
             "token_hash": token_hash(chosen.ids, chosen.prompt_len, rejected.ids, rejected.prompt_len)}
-
 
 
 def tokens_table(rows: list[dict]) -> pa.Table:
