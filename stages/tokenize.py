@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
-from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits
+from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits, load_limits
 from stages.data.pair_tokenizer import PairTokenizer
 from stages.data.pool import fork_pool, ordered_results, plan_pool, resolve_workers, worker_state
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers_only_process
@@ -337,9 +337,9 @@ def _run(args) -> None:
 
     log = logging.getLogger("tokenize")
     params = load_params(args.params)["tokenize"]
-    limits = TokenizeLimits.from_params(params)
-    workers = resolve_workers(params.get("workers", 0))
     tokenizer_dir = load_verified_dir(args.identity)
+    limits = load_limits(params, tokenizer_dir)
+    workers = resolve_workers(params.get("workers", 0))
     out = TokenizeOutputs(args.train_tokens, args.probe_tokens, args.probe_token_manifest, args.report,
                           args.rejections)
     report = tokenize_to_files(limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, out, log,

@@ -384,6 +384,27 @@ def test_a_20_mb_row_costs_the_stage_what_a_small_one_does(gpt2_tokenizer_dir, s
     assert peak_mb < 1024, peak_mb
 
 
+def test_the_stage_refuses_max_length_over_the_references_positions(gpt2_tokenizer_dir, split_pairs, tmp_path):
+    """The real CLI on a pinned GPT-2 reference (n_positions 1024): tokenize.max_length 2048 is refused in one line
+    naming both and the verified directory's config.json, before anything is tokenized or written. Before:
+    accepted, and longer sequences than the model has positions were trained."""
+    import subprocess
+
+    identity = pinned_gpt2_identity(gpt2_tokenizer_dir, tmp_path)
+    train, probe = split_pairs
+    inputs = write_probe_inputs(tmp_path / "in", train, probe)
+    params = stage_params(tmp_path, max_length=2048, max_prompt_length=256, truncation="keep_end")
+    out = tmp_path / "out"
+    r = subprocess.run(tokenize_cli(identity, inputs, out, params), cwd=REPO_ROOT, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert r.returncode == 1
+    [line] = [x for x in r.stderr.splitlines() if "refused" in x]
+    assert line.endswith(f"tokenize: refused: tokenize.max_length 2048 is more than the reference's n_positions 1024 "
+                         f"({tmp_path / 'gpt2' / 'config.json'}): the model has no position past 1023; set "
+                         f"tokenize.max_length to at most 1024"), line
+    assert not [p for p in out.iterdir() if p.suffix in (".parquet", ".json")]
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for entry in Path("/proc").iterdir():

@@ -6,8 +6,10 @@ import re
 
 import pytest
 
+from conftest import REPO_ROOT
+
 from data_helpers import UNLIMITED, A, S, U, as_pair, decode, long_text, short_prompt_pairs, truncated_by_reason
-from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits
+from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits, load_limits
 from stages.data.pair_tokenizer import PairTokenizer
 from stages.data.render import render_plain
 from stages.data.truncation import tokenize_pairs
@@ -24,6 +26,29 @@ def test_limits_validation():
         TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 64, "truncation": "reject"})
     with pytest.raises(TokenizeError, match="truncation"):
         TokenizeLimits.from_params({"max_length": 64, "max_prompt_length": 32, "truncation": "left"})
+
+
+def test_max_length_over_the_references_positions_is_refused_naming_both_and_the_config(tmp_path):
+    """Real configs: a tiny GPT-2 (its positions are `n_positions`), a tiny Qwen2 (`max_position_embeddings`), the
+    embedded reference. max_length up to the positions passes; one more is refused, naming the key, both numbers
+    and the config.json. Before: tokenize accepted any max_length."""
+    from transformers import GPT2Config, Qwen2Config
+
+    GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=64).save_pretrained(str(tmp_path / "gpt2"))
+    Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                max_position_embeddings=128).save_pretrained(str(tmp_path / "qwen2"))
+    for ref_dir, key, positions in ((tmp_path / "gpt2", "n_positions", 64),
+                                    (tmp_path / "qwen2", "max_position_embeddings", 128),
+                                    (REPO_ROOT / "models" / "tiny-qwen2", "max_position_embeddings", 1024)):
+        params = {"max_length": positions, "max_prompt_length": 32, "truncation": "keep_end"}
+        assert load_limits(params, ref_dir).max_length == positions
+        with pytest.raises(TokenizeError) as e:
+            load_limits(dict(params, max_length=positions + 1), ref_dir)
+        assert str(e.value).startswith(f"tokenize.max_length {positions + 1} is more than the reference's {key} "
+                                       f"{positions} ("), str(e.value)
+        assert f"{ref_dir / 'config.json'}): " in str(e.value) or "(models/tiny-qwen2/config.json): " in str(e.value)
+        assert str(e.value).endswith(f"set tokenize.max_length to at most {positions}")
+    assert load_limits({"max_length": 10**6, "max_prompt_length": 32, "truncation": "reject"}, tmp_path)  # no config
 
 
 def _expected_reason(full_row: dict, limits: TokenizeLimits) -> str | None:

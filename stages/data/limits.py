@@ -14,12 +14,21 @@
                                 max_prompt_length and max_completion_length (stages/data/truncation.py says where
                                 it differs)
 
+max_length may not exceed the reference's positions (`max_position_embeddings` in its config.json): a longer
+sequence would put tokens at positions the model has no embedding for, or never learned. check_fits_reference
+refuses it, naming both numbers and the file; the Snakefile's pre-flight runs it at DAG build (when the reference
+directory is there), tokenize and freeze_probe again on the verified directory (load_limits).
+
 TRUNCATION_REASONS are the codes of a kept, truncated pair (the report's `truncated_by_reason`, the probe token
 manifest's `truncated[].reason`); a pair that cannot be kept is a rejection (`prompt_too_long`, ...).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+
+from stages.lib.io import display_path
+from stages.lib.reference import max_positions
 
 TRUNCATION_POLICIES = ("reject", "truncate_completion", "keep_end", "keep_end_then_completion")
 PROMPT_CUTTING = ("keep_end", "keep_end_then_completion")   # the modes that re-render a pair with a shorter prompt
@@ -53,3 +62,20 @@ class TokenizeLimits:
     def as_dict(self) -> dict:
         return {"max_length": self.max_length, "max_prompt_length": self.max_prompt_length,
                 "truncation": self.truncation}
+
+
+def check_fits_reference(max_length: int, ref_dir: str | Path) -> None:
+    """TokenizeError when tokenize.max_length is over the positions of the reference in ref_dir."""
+    found = max_positions(ref_dir)
+    if found is not None and max_length > found[0]:
+        positions, key, path = found
+        raise TokenizeError(f"tokenize.max_length {max_length} is more than the reference's {key} {positions} "
+                            f"({display_path(path)}): the model has no position past {positions - 1}; set "
+                            f"tokenize.max_length to at most {positions}")
+
+
+def load_limits(tok_params: dict, ref_dir: str | Path) -> TokenizeLimits:
+    """params.yaml's `tokenize` section as limits, checked on their own and against the reference in ref_dir."""
+    limits = TokenizeLimits.from_params(tok_params)
+    check_fits_reference(limits.max_length, ref_dir)
+    return limits
