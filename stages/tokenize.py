@@ -15,7 +15,8 @@ reason codes: stages/data/limits.py), the worker pool (stages/data/pool.py). Thi
 the one streaming path and writes the outputs (docs/ARTIFACTS.md):
 
 * inputs: every pair still hashes to its content_hash / pair_id, pair IDs are unique, the probe is the frozen
-  probe (its manifest's IDs, hashes and digest), no probe pair is in train;
+  probe (its manifest's IDs, hashes and digest), frozen to fit this tokenizer under these limits (the manifest's
+  `fit`: freeze_probe draws the probe from pairs tokenize keeps), no probe pair is in train;
 * the probe must come through whole: any probe pair that would be rejected fails the stage, naming it (each
   truncated probe pair is recorded in the probe token manifest: `truncated`);
 * scale: the probe in pieces, then the train pairs in chunks (at most --chunk-pairs), rendered and tokenized by up
@@ -93,6 +94,15 @@ def check_probe_complete(rejections: list[dict], pairs_in: int, limits: Tokenize
             f"max_length={limits.max_length}, max_prompt_length={limits.max_prompt_length}, "
             f"truncation={limits.truncation}; the frozen probe must be scored whole, so raise the "
             f"limits (or re-freeze a probe from data that fits):\n  {listed}")
+
+
+def check_probe_fit(manifest: dict, manifest_path: str, tok_identity: str, limits: TokenizeLimits) -> None:
+    """The probe was drawn to fit this tokenizer under these limits (its manifest's `fit`), or it may not fit."""
+    fit = manifest.get("fit")
+    if fit is not None and (fit["tokenizer_identity"], fit["limits"]) != (tok_identity, limits.as_dict()):
+        raise TokenizeError(f"{manifest_path}: the probe was frozen to fit tokenizer {fit['tokenizer_identity']} "
+                            f"under {canonical_json(fit['limits'])}, but tokenize runs tokenizer {tok_identity} under "
+                            f"{canonical_json(limits.as_dict())}; rerun freeze_probe with these settings")
 
 
 class _TrainIntegrity:
@@ -274,6 +284,7 @@ def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: s
     pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
     log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
              pair_tokenizer.rendering)
+    check_probe_fit(manifest, manifest_path, tok_identity, limits)
     train_file = open_parquet(train_path)
     plan = plan_pool(train_file.metadata.num_rows, len(probe), resolve_workers(workers), chunk_pairs)
     integrity = _TrainIntegrity(train_path, {p["pair_id"] for p in probe})

@@ -10,6 +10,7 @@ import functools
 import gzip
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pyarrow as pa
@@ -20,6 +21,7 @@ from stages.lib.contracts import PAIRS_SCHEMA
 from stages.lib.contracts import row_content_hash as content_hash
 from stages.lib.io import sha256_json, write_json, write_parquet
 
+REPO_ROOT = Path(__file__).resolve().parents[1]
 UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -137,3 +139,35 @@ def write_probe_inputs(d: Path, train: list[dict], probe: list[dict], manifest: 
     write_json(d / "probe_manifest.json", manifest or probe_manifest(probe))
     return {"train_path": str(d / "train.parquet"), "probe_path": str(d / "probe.parquet"),
             "manifest_path": str(d / "probe_manifest.json")}
+
+
+# ---------------------------------------------------------------------------------------------
+# Verified references (tokenize and freeze_probe read the tokenizer through ref_identity.json)
+
+def pinned_gpt2_identity(gpt2_tokenizer_dir: Path, tmp_path: Path) -> Path:
+    """ref_identity.json of the real GPT-2 tokenizer beside a tiny random GPT-2 (1024 positions), pinned as a
+    user's local reference is."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from stages import verify_ref
+
+    ref_dir = tmp_path / "gpt2"
+    shutil.copytree(gpt2_tokenizer_dir, ref_dir)
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024)).save_pretrained(str(ref_dir))
+    revision = verify_ref.pin(ref_dir, "test/gpt2")
+    identity = tmp_path / "ref_identity.json"
+    write_json(identity, verify_ref.verify_reference({"source": "local", "repo_id": "test/gpt2", "revision": revision,
+                                                      "local_dir": str(ref_dir)}))
+    return identity
+
+
+def embedded_identity(tmp_path: Path) -> Path:
+    """ref_identity.json of the embedded reference (models/tiny-qwen2, as params.yaml pins it), by absolute path."""
+    import yaml
+
+    from stages import verify_ref
+
+    ref = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["ref"]
+    identity = tmp_path / "ref_identity.json"
+    write_json(identity, verify_ref.verify_reference(dict(ref, local_dir=str(REPO_ROOT / ref["local_dir"]))))
+    return identity

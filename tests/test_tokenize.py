@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from conftest import REPO_ROOT
-from data_helpers import UNLIMITED, A, U, as_pair, long_text, probe_manifest, short_prompt_pairs, write_probe_inputs
+from data_helpers import (UNLIMITED, A, U, as_pair, long_text, pinned_gpt2_identity, probe_manifest, short_prompt_pairs,
+                          write_probe_inputs)
 from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits
 from stages.data.pair_tokenizer import PairTokenizer
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity
@@ -283,23 +283,6 @@ def test_streaming_refuses_an_incomplete_probe_tokenized_by_the_pool(gpt2_tokeni
     with pytest.raises(TokenizeError, match=f"of {len(probe)} probe pairs cannot be tokenized under max_length=40"):
         run_stage(limits, gpt2_tokenizer_dir, inputs, out, workers=2, chunk_pairs=16)
     assert not any(out.iterdir())
-
-
-def pinned_gpt2_identity(gpt2_tokenizer_dir: Path, tmp_path: Path) -> Path:
-    """ref_identity.json of the real GPT-2 tokenizer beside a tiny random GPT-2, pinned as a user's local
-    reference is (tokenize reads the tokenizer through the verified identity)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from stages import verify_ref
-
-    ref_dir = tmp_path / "gpt2"
-    shutil.copytree(gpt2_tokenizer_dir, ref_dir)
-    GPT2LMHeadModel(GPT2Config(n_layer=1, n_head=2, n_embd=32, n_positions=1024)).save_pretrained(str(ref_dir))
-    revision = verify_ref.pin(ref_dir, "test/gpt2")
-    identity = tmp_path / "ref_identity.json"
-    write_json(identity, verify_ref.verify_reference({"source": "local", "repo_id": "test/gpt2", "revision": revision,
-                                                      "local_dir": str(ref_dir)}))
-    return identity
 
 
 def test_stage_process_never_imports_torch_and_writes_the_same_bytes(gpt2_tokenizer_dir, split_pairs, tmp_path):

@@ -187,8 +187,9 @@ def tokenizers_only_process() -> None:
     torch (its tokenizers-only install: tokenizers, chat templates and configs work, models do not), and decides
     it by whether `torch` can be found. `sys.modules["torch"] = None` is Python's own way to say it cannot
     (importlib.util.find_spec returns None, `import torch` raises ModuleNotFoundError); it also makes transformers
-    cache "no torch" for the process's lifetime, so it is done only when the stage runs as its own process
-    (`python -m stages.tokenize`), never by main() called inside another program. The tokenizer is the same: its
+    cache "no torch" for the process's lifetime, so it is done only when a stage that tokenizes runs as its own
+    process (`python -m stages.tokenize`, `python -m stages.freeze_probe`), never by main() called inside another
+    program. The tokenizer is the same: its
     files, classes, special tokens and chat template do not depend on torch (tensors only come into
     `return_tensors`, which tokenize never asks for). Of transformers 5's tokenizer classes only Pop2Piano's MIDI
     tokenizer requires torch, and it is no fast tokenizer, which load_tokenizer refuses anyway."""
