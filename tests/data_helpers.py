@@ -45,6 +45,24 @@ def A(c):
     return {"role": "assistant", "content": c}
 
 
+def triple(pair):
+    """A parsed pair (stages.data.formats.Pair) as (prompt, chosen, rejected)."""
+    return pair.prompt, pair.chosen, pair.rejected
+
+
+def assert_rejected(row, fmt: str, reason: str, options=None) -> None:
+    """The row is refused by the format registry's parse (stages.data.formats.parse_row) with exactly `reason`,
+    and a detail saying why."""
+    import pytest
+
+    from stages.data.formats import parse_row
+    from stages.data.messages import RowRejected
+
+    with pytest.raises(RowRejected) as e:
+        parse_row(row, fmt, options)
+    assert e.value.reason == reason and e.value.detail, e.value.detail
+
+
 def parse_hh(chosen: str, rejected: str) -> dict | None:
     tag = "\n\nAssistant:"
     cut = chosen.rfind(tag)

@@ -3,24 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from data_helpers import A, S, U, assert_rejected, triple
 from stages.data.formats import check_format_options, columns, parse_row
-from stages.data.messages import RowRejected
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
-
-
-def S(c):
-    return {"role": "system", "content": c}
-
-
-def triple(pair):
-    return pair.prompt, pair.chosen, pair.rejected
 
 
 def test_columns_mapping_with_system_margin_and_implicit_prompt():
@@ -50,9 +34,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("row, reason", BAD_ROWS, ids=[f"{i}-{r}" for i, (_, r) in enumerate(BAD_ROWS)])
 def test_bad_columns_row_is_rejected_with_exact_reason(row, reason):
-    with pytest.raises(RowRejected) as e:
-        parse_row(row, "columns", COLS["m"] if "m" in row else COLS["q"])
-    assert e.value.reason == reason and e.value.detail
+    assert_rejected(row, "columns", reason, COLS["m"] if "m" in row else COLS["q"])
 
 
 def test_its_own_reason_codes_are_exercised():

@@ -6,23 +6,11 @@ import json
 
 import pytest
 
+from data_helpers import A, U, assert_rejected, triple
 from stages.data.formats import hh, parse_row
-from stages.data.messages import RowRejected
 
 HH_ROW = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Paris.",
           "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Lyon."}
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
-
-
-def triple(pair):
-    return pair.prompt, pair.chosen, pair.rejected
 
 
 def test_hh_splits_at_last_shared_assistant_marker():
@@ -58,9 +46,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("row, reason", BAD_ROWS, ids=[f"{i}-{r}" for i, (_, r) in enumerate(BAD_ROWS)])
 def test_bad_hh_row_is_rejected_with_exact_reason(row, reason):
-    with pytest.raises(RowRejected) as e:
-        parse_row(row, "hh")
-    assert e.value.reason == reason and e.value.detail
+    assert_rejected(row, "hh", reason)
 
 
 def test_declares_no_reason_of_its_own():

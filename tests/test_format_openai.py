@@ -3,16 +3,8 @@ from __future__ import annotations
 
 import pytest
 
+from data_helpers import A, U, assert_rejected
 from stages.data.formats import openai, parse_row
-from stages.data.messages import RowRejected
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
 
 
 def test_openai_preference_row():
@@ -33,9 +25,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("row, reason", BAD_ROWS, ids=[f"{i}-{r}" for i, (_, r) in enumerate(BAD_ROWS)])
 def test_bad_openai_row_is_rejected_with_exact_reason(row, reason):
-    with pytest.raises(RowRejected) as e:
-        parse_row(row, "openai")
-    assert e.value.reason == reason and e.value.detail
+    assert_rejected(row, "openai", reason)
 
 
 def test_declares_no_reason_of_its_own():

@@ -3,24 +3,9 @@ from __future__ import annotations
 
 import pytest
 
+from data_helpers import A, S, U, assert_rejected, triple
 from stages.data.formats import parse_row, trl
-from stages.data.messages import RowRejected, split_implicit_strings
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
-
-
-def S(c):
-    return {"role": "system", "content": c}
-
-
-def triple(pair):
-    return pair.prompt, pair.chosen, pair.rejected
+from stages.data.messages import split_implicit_strings
 
 
 def test_trl_standard_explicit_prompt():
@@ -64,9 +49,7 @@ BAD_ROWS = [
 
 @pytest.mark.parametrize("row, reason", BAD_ROWS, ids=[f"{i}-{r}" for i, (_, r) in enumerate(BAD_ROWS)])
 def test_bad_trl_row_is_rejected_with_exact_reason(row, reason):
-    with pytest.raises(RowRejected) as e:
-        parse_row(row, "trl")
-    assert e.value.reason == reason and e.value.detail
+    assert_rejected(row, "trl", reason)
 
 
 def test_declares_no_reason_of_its_own():

@@ -14,21 +14,10 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
+from data_helpers import A, S, U
 from stages.data import formats
 from stages.data.formats import FORMAT_NAMES, FORMATS, REASONS, detect_format, parse_row
 from stages.data.messages import COMMON_REASONS, Format, RowRejected, common_prefix_len
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
-
-
-def S(c):
-    return {"role": "system", "content": c}
 
 
 HH_ROW = {"chosen": "\n\nHuman: Q?\n\nAssistant: yes", "rejected": "\n\nHuman: Q?\n\nAssistant: no"}

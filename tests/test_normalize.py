@@ -18,23 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from data_helpers import A, U
 from stages.data.formats import parse_row
 from stages.data.sources import SourceError, default_source_name, iter_source_rows, resolve_sources, source_paths
 from stages.normalize import REASONS, main, normalize_sources
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
-
-
-def S(c):
-    return {"role": "system", "content": c}
 
 
 HH_ROW = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Paris.",
@@ -199,20 +188,6 @@ def test_real_hh_rlhf_every_row_is_a_pair_or_a_reasoned_rejection(hh_rlhf_path):
         assert "\n\nAssistant:" not in c[:n]
     by_reason = {k: v for k, v in s["rejected"].items() if v}
     print(f"\nHH-RLHF: rows_in={s['rows_in']} pairs_out={s['pairs_out']} rejected={by_reason}")
-
-
-def test_real_hh_row_prompt_split(hh_rlhf_path):
-    with gzip.open(hh_rlhf_path, "rt", encoding="utf-8") as f:
-        row = json.loads(f.readline())
-    pair = parse_row(row, "hh")
-    assert pair.prompt[:3] == [U("what are some pranks with a pen i can do?"),
-                               A("Are you looking for practical joke ideas?"), U("yep")]
-    assert pair.prompt[-1]["role"] == "user"
-    last_user = pair.prompt[-1]["content"]
-    head = f"\n\nHuman: {last_user}\n\nAssistant: "
-    assert row["chosen"].endswith(head + pair.chosen[0]["content"])
-    assert row["rejected"].endswith(head + pair.rejected[0]["content"])
-    assert pair.chosen != pair.rejected
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from stages.data.pair_tokenizer import PairTokenizer
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity
 from stages.data.truncation import tokenize_pairs
 from stages.lib.contracts import token_hash
-from stages.lib.io import read_json, read_parquet, sha256_json, write_json
+from stages.lib.io import read_json, read_parquet, sha256_json
 from stages.tokenize import (TokenizeOutputs, check_pairs, check_probe_complete, check_probe_matches_manifest,
                              tokenize_to_files)
 
