@@ -146,7 +146,8 @@ def test_a_stage_refuses_bad_params_with_the_same_preflight(tmp_path, capsys):
 
     (tmp_path / "params.yaml").write_text(PARAMS.replace("lr: 3.0e-4", "lr: .nan"))
     with pytest.raises(SystemExit) as e:
-        freeze_probe.main(["--params", str(tmp_path / "params.yaml"), "--pairs", "absent.parquet", "--train",
+        freeze_probe.main(["--params", str(tmp_path / "params.yaml"), "--pairs", "absent.parquet", "--identity",
+                           str(tmp_path / "absent.json"), "--train",
                            str(tmp_path / "t.parquet"), "--probe", str(tmp_path / "p.parquet"), "--manifest",
                            str(tmp_path / "m.json")])
     assert e.value.code == 1
