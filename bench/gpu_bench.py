@@ -259,8 +259,11 @@ def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length:
                    concat: int = 1) -> dict:
     from stages.lib.io import write_parquet
     from stages.engine.packing import load_token_pairs, shares_prompt
+    from stages.data.limits import TokenizeLimits
+    from stages.data.pair_tokenizer import PairTokenizer
+    from stages.data.tokenizer import load_tokenizer
+    from stages.data.truncation import tokenize_pairs, tokens_table
     from stages.normalize import normalize_sources
-    from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs, tokens_table
 
     lines = hh_lines(hh, concat)
     subsets = {"train": lines[:n_pairs], "probe": lines[-n_probe:]}   # probe far from the train rows
@@ -274,7 +277,8 @@ def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length:
         src = work / f"hh_{split}.jsonl"
         src.write_text("\n".join(rows) + "\n")
         norm = normalize_sources([{"name": "hh", "path": str(src), "format": "hh"}])
-        result = tokenize_pairs(tok, norm.pairs, limits, split)
+        pairs = sorted(norm.pairs, key=lambda p: p["pair_id"])    # pairs.parquet's order, as normalize writes it
+        result = tokenize_pairs(tok, pairs, limits, split)
         write_parquet(work / f"{split}_tokens.parquet", tokens_table(result.rows))
         seq_tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in result.rows)
         # what the shared-prompt layout actually runs: each pair's common prompt once (packing's own test)

@@ -23,12 +23,13 @@ from stages.lib.io import read_json, read_jsonl
 from stages.engine.modeling import ModelLoadError, load_reward_model
 from stages.engine.packing import TokenDataError, build_packed_batch, load_token_pairs
 from stages.engine.export import ExportError, export_tokenizer_pad
-from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs
-from test_tokenize import CHATML, gpt2_with_template, load_hh_pairs
+from data_helpers import CHATML, UNLIMITED, gpt2_with_template, load_hh_pairs
+from stages.data.pair_tokenizer import PairTokenizer
+from stages.data.tokenizer import load_tokenizer
+from stages.data.truncation import tokenize_pairs
 from test_train import stage_args, write_params
 
 torch.set_num_threads(1)
-UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
 GPT2_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 CASES = ("pad_is_eos", "no_pad", "pad_distinct", "chat_template")
 
