@@ -118,7 +118,7 @@ def _run(args) -> int:
                                           token_manifest, params, s0_path, f_path, swapped, completion_tokens=counts)
         models[kind] = (metrics, summary, out_path)
         if "implicit_reward" in metrics:
-            log.info("%s: implicit reward %s (the reward dpo.loss declares; the probe rows carry it)", kind,
+            log.info("%s: scored on the %s implicit reward the probe rows declare (dpo.loss's own)", kind,
                      metrics["implicit_reward"])
         log.info("%s: accuracy step0 %.4f -> final %.4f [%.4f, %.4f], improvement %.4f [%.4f, %.4f]", kind,
                  metrics["step0"]["accuracy"], metrics["final"]["accuracy"], metrics["final"]["accuracy_ci_low"],

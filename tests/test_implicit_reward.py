@@ -79,9 +79,6 @@ def test_mean_reward_rows_are_scored_on_their_reward_and_recorded():
     bad = copy.deepcopy(fi)
     bad[2]["rejected_tokens"] = 0
     refused(s0, bad, "final row 2: rejected_tokens must be a token count >= 1")
-    with pytest.raises(scoring.PerPairFileError, match="the rows score the mean_logp implicit reward, but dpo.loss "
-                                                       "declares summed_logp"):
-        scoring.score_dpo_rows(fi, 2.0, True, "final", expected_reward="summed_logp")
 
 
 def _length_biased_rows(n: int, seed: int, prefix: str) -> list[dict]:

@@ -171,15 +171,11 @@ def rows_reward(rows: list[dict], source: str) -> str:
 
 
 def score_dpo_rows(rows: list[dict], beta: float, reference_free: bool, source: str,
-                   expected_reward: str | None = None,
                    completion_tokens: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
-    """Recompute rewards, margin and correct from the log-probs (and, for MEAN_REWARD, the token counts); refuse
-    a file that disagrees. expected_reward: the reward dpo.loss declares (None: the file's own is taken);
+    """Recompute rewards, margin and correct from the log-probs (and, for MEAN_REWARD, the token counts) under the
+    implicit reward the rows declare (train_dpo writes the one dpo.loss declares); refuse a file that disagrees.
     completion_tokens: pair_id -> (chosen, rejected) completion token counts from the probe tokens, when known."""
     kind = rows_reward(rows, source)
-    if expected_reward is not None and kind != expected_reward:
-        raise PerPairFileError(f"{source}: the rows score the {kind} implicit reward, but dpo.loss declares "
-                               f"{expected_reward}; they were written for another loss (rerun train_dpo)")
     correct, margin, logp_correct = [], [], []
     for i, r in enumerate(rows):
         pc, pr = _num(r, "policy_chosen_logp", source, i), _num(r, "policy_rejected_logp", source, i)
@@ -310,10 +306,10 @@ def paired_bootstrap(step0: dict[str, np.ndarray], final: dict[str, np.ndarray],
 
 def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], probe_manifest: dict,
                    token_manifest: dict, params: dict, step0_source: str, final_source: str,
-                   swapped_hashes: dict | None = None, expected_reward: str | None = None,
+                   swapped_hashes: dict | None = None,
                    completion_tokens: dict[str, tuple[int, int]] | None = None) -> tuple[dict, dict]:
-    """One model's metrics and bootstrap summary. DPO: expected_reward / completion_tokens as score_dpo_rows;
-    step 0 and final must score the same reward, which the metrics record when it is not SUMMED_REWARD."""
+    """One model's metrics and bootstrap summary. DPO: completion_tokens as score_dpo_rows; step 0 and final must
+    score the same implicit reward, which the metrics record when it is not SUMMED_REWARD."""
     size = params["probe"]["size"]
     for rows, src in ((step0_rows, step0_source), (final_rows, final_source)):
         check_probe_rows(rows, probe_manifest, token_manifest, size, src, swapped_hashes)
@@ -321,8 +317,8 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
     if kind == "dpo":
         beta = float(params["dpo"]["beta"])
         ref_free = params["dpo"]["objective"] == "dpo_ref_free"
-        s0 = score_dpo_rows(step0_rows, beta, ref_free, step0_source, expected_reward, completion_tokens)
-        fi = score_dpo_rows(final_rows, beta, ref_free, final_source, expected_reward, completion_tokens)
+        s0 = score_dpo_rows(step0_rows, beta, ref_free, step0_source, completion_tokens)
+        fi = score_dpo_rows(final_rows, beta, ref_free, final_source, completion_tokens)
         if s0["implicit_reward"] != fi["implicit_reward"]:
             raise PerPairFileError(f"{final_source}: scores the {fi['implicit_reward']} implicit reward, "
                                    f"{step0_source} the {s0['implicit_reward']}: step 0 and final must compare one")
