@@ -22,9 +22,9 @@ from stages.engine.dpo_losses import (DPO_LOSSES, KNOBS, LOSSES, DPOLossError, c
                                       loss_hints, reward_kind)
 from stages.lib.implicit_reward import MEAN_REWARD, SUMMED_REWARD
 from stages.lib.params import ParamsError, load_params, validate_params
+from stages import sync_losses
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
-import sync_losses  # noqa: E402
 from code_deps import code_deps  # noqa: E402
 
 torch.set_num_threads(1)
@@ -117,7 +117,7 @@ def test_implicit_reward_of_a_loss_list_and_the_simpo_beta_hint():
 # ----------------------------------------------------------------------------------------------
 
 def test_schema_params_comment_and_docs_table_are_generated_from_the_registry():
-    assert sync_losses.stale_blocks() == [], "run python workflow/sync_losses.py"
+    assert sync_losses.stale_blocks() == [], "run python -m stages.sync_losses"
     params = load_params(REPO_ROOT / "params.yaml")
     for name in DPO_LOSSES:                     # the schema's enum is the registry: each name passes the pre-flight
         p = copy.deepcopy(params)
@@ -177,7 +177,7 @@ def test_adding_a_loss_touches_one_code_file_and_reruns_train_dpo_only(tmp_path)
     assert text.count(banner) == 1
     losses.write_text(text.replace(banner, TOY_LOSS.lstrip("\n") + banner))
     before = yaml.safe_load((repo / "params.yaml").read_text())
-    sh(sys.executable, "workflow/sync_losses.py", cwd=repo)                    # the generated copies
+    sh(sys.executable, "-m", "stages.sync_losses", cwd=repo)                 # the generated copies
     changed = set(sh("git", "diff", "--name-only", cwd=repo).split())
     assert changed == {LOSSES_FILE, "workflow/schemas/params.schema.yaml", "params.yaml", "docs/DPO_LOSSES.md"}
     assert yaml.safe_load((repo / "params.yaml").read_text()) == before          # comments only: no DVC param moved

@@ -1,8 +1,8 @@
-"""Rewrite what copies the DPO loss registry (stages/engine/dpo_losses.py) from it, as sync_dvc.py does dvc.yaml
-from the rules:
+"""Rewrite what copies the DPO loss registry (stages/engine/dpo_losses.py) from it, as workflow/sync_dvc.py does
+dvc.yaml from the rules. A maintainer's tool, no rule (as stages/embedded_data.py): no stage imports it.
 
-    python workflow/sync_losses.py            # rewrite the generated blocks
-    python workflow/sync_losses.py --check    # exit 1 naming each stale block (tests/test_dpo_loss_registry.py)
+    python -m stages.sync_losses            # rewrite the generated blocks
+    python -m stages.sync_losses --check    # exit 1 naming each stale block (tests/test_dpo_loss_registry.py)
 
 The blocks, each between a `>>> NAME:` and a `<<< NAME` marker line:
   workflow/schemas/params.schema.yaml  `dpo.loss names` (the dpo.loss enum: params pre-flight refuses an unknown
@@ -20,12 +20,10 @@ import sys
 import textwrap
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+from stages.engine.dpo_losses import KNOBS, LOSSES, REFERENCE_FREE_LOSSES
+from stages.lib.implicit_reward import MEAN_REWARD
 
-from stages.engine.dpo_losses import KNOBS, LOSSES, REFERENCE_FREE_LOSSES  # noqa: E402
-from stages.lib.implicit_reward import MEAN_REWARD  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 WIDTH = 118
 
@@ -126,10 +124,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv == ["--check"]:
         stale = stale_blocks()
         for block in stale:
-            print(f"sync_losses: stale: {block} (run python workflow/sync_losses.py)", file=sys.stderr)
+            print(f"sync_losses: stale: {block} (run python -m stages.sync_losses)", file=sys.stderr)
         return 1 if stale else 0
     if argv:
-        print("usage: python workflow/sync_losses.py [--check]", file=sys.stderr)
+        print("usage: python -m stages.sync_losses [--check]", file=sys.stderr)
         return 2
     for rel in write_blocks():
         print(f"sync_losses: wrote {rel}")
