@@ -163,3 +163,82 @@ def test_lora_trains_and_resumes_bitwise_in_the_low_bit_modes(assets, mode):
         assert (assets / "full" / f).read_bytes() == (assets / "resumed" / f).read_bytes(), f
     assert la.loss.iloc[-1] < 0.8 * la.loss.iloc[0]
     np.testing.assert_allclose(la.loss, pd.read_csv(assets / "exact/train_log.csv").loss, rtol=0.02)
+
+
+def _trained_one_step(assets, objective: str, train: dict):
+    """build_run and one optimizer step of the loop (real engine, CPU, one-process group); returns the run (the
+    caller shuts the process group down)."""
+    from stages.engine.checkpoint import CheckpointOptions
+    from stages.engine.cli import load_stage_tokens
+    from stages.engine.data import prefetch_batches
+    from stages.engine.dist import init_distributed
+    from stages.engine.loop import build_run
+    from stages.engine.objectives import DPOObjective, RewardObjective
+    from stages.engine.settings import TrainSettings
+    from stages.engine.steps import make_steps
+    from stages.lib.params import load_params
+    params = load_params(write_params(assets / f"{objective}.yaml", train=train, dpo={"objective": "dpo_ref_free"}))
+    settings = TrainSettings.from_params(params)
+    env = init_distributed(settings)
+    train_pairs, probe_pairs = load_stage_tokens(assets / "model", assets / "train.parquet", assets / "probe.parquet")
+    obj = RewardObjective(params["rm"], train_pairs.margins) if objective == "rm" else DPOObjective(params["dpo"])
+    run = build_run(obj, settings, env, assets / "model", train_pairs, probe_pairs, assets / "new",
+                    CheckpointOptions(directory=None, resume="never"))
+    mbs = list(run.plans[0].rank_micro_batches[0])
+    steps = make_steps(run.model, run.module, run.hf, obj, run.optimizer, settings, env, run.train_pairs, mbs,
+                       run.n_params)
+    batches = prefetch_batches(run.train_pairs, mbs, pin=False, share_prompt=settings.share_prompt, pad_to=steps.pad_to)
+    run.schedule.apply(run.optimizer, 1)             # step 1 of the warmup: a learning rate > 0
+    steps.step(len(mbs), len(mbs), batches, 1.0 / sum(len(mb) for mb in mbs))
+    steps.finish()
+    return run
+
+
+LORA = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("objective,train", [
+    ("rm", {"precision": "bf16"}),                                      # exact: MasterWeightAdamW
+    ("rm", MODES["fp32_master_8bit_bf16"]),
+    ("dpo", MODES["fp32_master_8bit_bf16"]),                            # tied embeddings: one tensor, two names
+    ("rm", {**MODES["fp32_master_8bit_bf16"], "adapter": {**LORA, "export": "both"}}),
+    ("dpo", {"precision": "bf16", "adapter": {**LORA, "export": "both"}}),
+])
+def test_the_masters_export_writes_an_fp32_models_bytes_without_converting_the_model(assets, objective, train):
+    """A bf16 run with fp32 masters, one step trained: loop.export_trained writes, byte for byte, every file the
+    former export wrote (the whole module cast to fp32 in place, the masters copied in, then export_model): the
+    same tensor names, fp32 values, shards and config.json (dtype float32); for an adapter, the merged model and the
+    adapter directory. And it leaves the trained module in bf16: no fp32 copy of the model was made on its device
+    (the copies go to the host one tensor at a time)."""
+    import filecmp
+    from stages.engine.dist import shutdown_distributed
+    from stages.engine.export import export_model
+    from stages.engine.loop import export_trained
+    try:
+        run = _trained_one_step(assets, objective, train)
+        assert run.optimizer.master_params is not None
+        # the masters differ from their bf16 copies somewhere (else the bytes could not tell the two apart)
+        assert any(not torch.equal(m, p.float()) for p, m in zip(run.optimizer.model_params,
+                                                                 run.optimizer.master_params))
+        before = {n: p.detach().clone() for n, p in run.module.named_parameters()}
+        export_trained(run, assets / "model")
+        after = dict(run.module.named_parameters())
+        assert all(p.dtype == torch.bfloat16 for p in after.values())
+        assert all(torch.equal(before[n], p) for n, p in after.items())
+        # the former export, as it was: the module to fp32 in place, the masters copied into it
+        with torch.no_grad():
+            run.module.float()
+            torch._foreach_copy_(run.optimizer.model_params, run.optimizer.master_params)
+        export_model(run.module, run.objective, run.settings, run.env, assets / "model", assets / "old" / "model",
+                     run.adapter)
+    finally:
+        shutdown_distributed()
+    new, old = assets / "new" / "model", assets / "old" / "model"
+    files = sorted(str(p.relative_to(old)) for p in old.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(new)) for p in new.rglob("*") if p.is_file())
+    assert any(f.endswith(".safetensors") for f in files)
+    match, mismatch, errors = filecmp.cmpfiles(old, new, files, shallow=False)
+    assert (mismatch, errors) == ([], []), (mismatch, errors)
+    if run.adapter is None:
+        import json
+        assert json.loads((new / "config.json").read_text())["dtype"] == "float32"

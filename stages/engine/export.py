@@ -9,6 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -89,16 +90,47 @@ def export_adapter(adapter: Adapter, hf_state: dict, objective, settings: TrainS
     return dirs
 
 
+def master_state_dict(hf: nn.Module, optimizer: torch.optim.Optimizer, trained_only: bool = False) -> dict:
+    """What `hf.float()` followed by copying the optimizer's fp32 masters into their parameters would make
+    `hf.state_dict()`, as fp32 CPU tensors copied one tensor at a time: the masters (what was trained, not their
+    rounded bf16 working copies) for the optimizer's parameters, every other floating tensor upcast (exactly) to
+    fp32. Nothing is allocated on the device: converting the model itself held an fp32 copy of it there, beside
+    the optimizer state still alive (+4 bytes a parameter, 28 GiB at 7B, past the memory plan's peak).
+    A parameter under several names (tied embeddings) is one tensor here too, as in the model, so save_pretrained
+    drops the same alias. trained_only: only the optimizer's parameters (an adapter's export reads only those;
+    copying the frozen base would cost host memory for nothing)."""
+    master_of = {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params)}
+    copies: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, t in hf.state_dict(keep_vars=True).items():
+        if trained_only and id(t) not in master_of:
+            continue
+        if id(t) not in copies:
+            value = master_of.get(id(t), t).detach().to("cpu", copy=True)   # one tensor's copy, on the host
+            copies[id(t)] = value.float() if value.is_floating_point() else value
+        state[name] = copies[id(t)]
+    return state
+
+
+def save_state_dtype(hf: nn.Module, state: dict | None, directory: Path) -> None:
+    """save_pretrained records the model's own dtype in config.json; a saved state of another (one) floating dtype
+    (fp32 masters of a bf16 model) is recorded as that dtype, the config a model in that dtype would write."""
+    dtypes = {v.dtype for v in (state or {}).values() if v.is_floating_point()}
+    if len(dtypes) == 1 and (dtype := dtypes.pop()) != hf.dtype:
+        hf.config.dtype = str(dtype).split(".")[1]      # as save_pretrained writes it
+        hf.config.save_pretrained(directory)
+
+
 def export_model(module: nn.Module, objective, settings: TrainSettings, env: DistEnv, src_dir: Path,
-                 out_dir: Path, adapter: Adapter | None = None) -> None:
+                 out_dir: Path, adapter: Adapter | None = None, state: dict | None = None) -> None:
     """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM); with
     train.adapter, as its `export` says (export_adapter). Tokenizer files are copied from the source directory so
     the export is usable on its own; a reward model's tokenizer pads with its config.pad_token_id
-    (export_tokenizer_pad)."""
+    (export_tokenizer_pad). state: the tensors to save instead of the module's own (rank 0's; master_state_dict),
+    config.json recording their dtype."""
     hf = objective.hf_model(module)
     if adapter is None:                # with adapters the head is checked on the merged model
         check_export_head(hf, objective.head)
-    state = None
     if settings.parallel == "fsdp2":   # collective: every rank takes part
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
         full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -115,6 +147,7 @@ def export_model(module: nn.Module, objective, settings: TrainSettings, env: Dis
         shutil.rmtree(tmp, ignore_errors=True)
         if adapter is None:
             hf.save_pretrained(tmp, state_dict=state)
+            save_state_dtype(hf, state, tmp)
             dirs = [tmp]
         else:
             # FSDP2: the full state gathered above (the adapters' weights are sharded like the rest).

@@ -39,11 +39,11 @@ from stages.engine.cli import _progress_bar
 from stages.engine.data import prefetch_batches, run_inference
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
                                 seed_everything, wrap_model)
-from stages.engine.export import export_model
+from stages.engine.export import export_model, master_state_dict
 from stages.engine.guards import check_plan
 from stages.engine.objectives import Objective
 from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
-from stages.engine.optim import LRSchedule, MasterWeightAdamW, build_optimizer, check_optimizer_settings
+from stages.engine.optim import LRSchedule, build_optimizer, check_optimizer_settings
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.engine.steps import make_steps
 from stages.engine.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint, run_header,
@@ -321,6 +321,19 @@ def save(run: Run, ckpt: CheckpointOptions) -> None:
     run.saved_checkpoints.append(state.step)
 
 
+def export_trained(run: Run, model_dir: Path) -> None:
+    """run.out_dir/model: the trained model. Where the optimizer keeps fp32 masters of bf16 weights, the masters
+    (what was trained, not their bf16 working copies) are exported in fp32, copied to the host tensor by tensor
+    (export.master_state_dict): the device holds no fp32 copy of the model, so the export stays under the
+    training peak the memory plan bounds. Rank 0 makes the copies (only it writes)."""
+    state = None
+    if getattr(run.optimizer, "master_params", None) is not None and run.env.is_main:
+        with torch.no_grad():
+            state = master_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None)
+    export_model(run.module, run.objective, run.settings, run.env, Path(model_dir), run.out_dir / "model",
+                 run.adapter, state=state)
+
+
 def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
           probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
           environment: dict | None = None, perf_path: Path | None = None) -> dict:
@@ -395,12 +408,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     t_probe = time.perf_counter()
     probe(run, "final")
     t_export = time.perf_counter()
-    if isinstance(run.optimizer, MasterWeightAdamW) or getattr(run.optimizer, "master_params", None) is not None:
-        # Export the fp32 masters (what was trained), not their bf16 working copies.
-        with torch.no_grad():
-            run.module.float()
-            torch._foreach_copy_(run.optimizer.model_params, run.optimizer.master_params)
-    export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model", run.adapter)
+    export_trained(run, Path(model_dir))
     after_loop = {"probe_final": round(t_export - t_probe, 3), "export": round(time.perf_counter() - t_export, 3)}
     return write_records(run, graph_info, environment, perf_path, train_log.throughput, train_seconds,
                          time.perf_counter() - t_start, after_loop)
@@ -450,7 +458,7 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "cuda_graphs": graph_times,
         # Process start to the first optimizer step, by phase (stages/engine/startup.py).
         "startup": startup.CLOCK.record(),
-        # Seconds after the loop, by phase: the final probe pass, the model export (masters to fp32, save).
+        # Seconds after the loop, by phase: the final probe pass, the model export (fp32 masters to the host, save).
         "after_loop_seconds": after_loop or {},
     }
     if env.is_main:
