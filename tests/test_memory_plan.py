@@ -140,3 +140,36 @@ def test_auto_checkpointing_takes_the_fewest_layers_that_fit():
     assert estimate(cfg, "lm_head", replace(s, activation_checkpointing=n - 1), 8192, 1, h200, "cuda").fits is False
     tiny = fewest_checkpointed(cfg, "lm_head", s, 8192, 1, 10 * 2 ** 30, "cuda", False)
     assert tiny.checkpointed_layers == 28 and tiny.fits is False
+
+
+LORA = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "export": "merged",
+        "target_modules": ["q_proj", "v_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("state,adapter", [("exact", None), ("fp32_master_8bit", None), ("bf16_sr_8bit", None),
+                                           ("exact", LORA), ("fp32_master_8bit", LORA), ("bf16_sr_8bit", LORA)])
+def test_the_plan_bounds_the_bytes_alive_when_the_optimizer_clones_its_masters(tmp_path, state, adapter):
+    """The loop's cast to bf16 (loop.cast_to_compute_dtype) and optimizer build, on a reward model: when the optimizer
+    has cloned its masters and their fp32 sources are still alive (the load's peak, before any activation), every
+    distinct storage then held (the module's weights, the masters' sources, the optimizer's masters) fits in the
+    plan's static parts + transient. With an adapter that moment is the run's peak (the plan's transient is the
+    load's); a frozen base whose fp32 load stayed alive through the cast held 6 bytes a parameter, not planned."""
+    from stages.engine.adapters import attach_adapter
+    from stages.engine.loop import cast_to_compute_dtype
+    from stages.engine.modeling import load_reward_model
+    model_dir = make_tiny_model_dir(tmp_path / "m", hidden=64, tie=False)
+    settings = train_settings(precision="bf16", optimizer={"state": state}, adapter=adapter)
+    hf = load_reward_model(model_dir)
+    if adapter is not None:
+        attach_adapter(hf, adapter, "score")
+    masters = cast_to_compute_dtype(hf, settings)
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    opt = build_optimizer(hf, settings, env, masters)
+    held = {}
+    for t in [*hf.parameters(), *(masters or {}).values(), *(getattr(opt, "master_params", None) or [])]:
+        held[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    plan = estimate(read_config(model_dir), "score", settings, micro_batch_tokens=0, device_type="cpu")
+    assert plan.activations == 0
+    static = plan.weights + plan.grads + plan.masters + plan.moments
+    assert sum(held.values()) <= static + plan.transient, (sum(held.values()), plan)
+    assert (plan.transient > 0) == (adapter is not None)

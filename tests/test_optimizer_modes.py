@@ -210,7 +210,6 @@ def test_the_masters_export_writes_an_fp32_models_bytes_without_converting_the_m
     same tensor names, fp32 values, shards and config.json (dtype float32); for an adapter, the merged model and the
     adapter directory. And it leaves the trained module in bf16: no fp32 copy of the model was made on its device
     (the copies go to the host one tensor at a time)."""
-    import filecmp
     from stages.engine.dist import shutdown_distributed
     from stages.engine.export import export_model
     from stages.engine.loop import export_trained
@@ -233,12 +232,39 @@ def test_the_masters_export_writes_an_fp32_models_bytes_without_converting_the_m
                      run.adapter)
     finally:
         shutdown_distributed()
-    new, old = assets / "new" / "model", assets / "old" / "model"
+    new = assets / "new" / "model"
+    _assert_same_files(assets / "old" / "model", new)
+    if run.adapter is None:
+        import json
+        assert json.loads((new / "config.json").read_text())["dtype"] == "float32"
+
+
+def _assert_same_files(old, new) -> None:
+    import filecmp
     files = sorted(str(p.relative_to(old)) for p in old.rglob("*") if p.is_file())
     assert files == sorted(str(p.relative_to(new)) for p in new.rglob("*") if p.is_file())
     assert any(f.endswith(".safetensors") for f in files)
     match, mismatch, errors = filecmp.cmpfiles(old, new, files, shallow=False)
     assert (mismatch, errors) == ([], []), (mismatch, errors)
+
+
+@pytest.mark.parametrize("train", [MODES["bf16_sr_8bit"], {**MODES["bf16_sr_8bit"], "adapter": {**LORA, "export": "both"}}])
+def test_host_copies_of_a_master_free_run_export_the_modules_bytes(assets, train):
+    """bf16_sr_8bit keeps no masters: the host copies a GPU run exports from (export.host_state_dict, one tensor at
+    a time, so save_pretrained never sees the CUDA-graph path's flat buffer as shared storage to clone on the device)
+    write the bytes the module's own state writes, in bf16."""
+    import json
+    from stages.engine.dist import shutdown_distributed
+    from stages.engine.export import export_model, host_state_dict
+    try:
+        run = _trained_one_step(assets, "dpo", train)
+        assert run.optimizer.master_params is None
+        args = (run.module, run.objective, run.settings, run.env, assets / "model")
+        export_model(*args, assets / "new" / "model", run.adapter,
+                     state=host_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None))
+        export_model(*args, assets / "old" / "model", run.adapter)
+    finally:
+        shutdown_distributed()
+    _assert_same_files(assets / "old" / "model", assets / "new" / "model")
     if run.adapter is None:
-        import json
-        assert json.loads((new / "config.json").read_text())["dtype"] == "float32"
+        assert json.loads((assets / "new" / "model" / "config.json").read_text())["dtype"] == "bfloat16"

@@ -90,24 +90,27 @@ def export_adapter(adapter: Adapter, hf_state: dict, objective, settings: TrainS
     return dirs
 
 
-def master_state_dict(hf: nn.Module, optimizer: torch.optim.Optimizer, trained_only: bool = False) -> dict:
-    """What `hf.float()` followed by copying the optimizer's fp32 masters into their parameters would make
-    `hf.state_dict()`, as fp32 CPU tensors copied one tensor at a time: the masters (what was trained, not their
-    rounded bf16 working copies) for the optimizer's parameters, every other floating tensor upcast (exactly) to
-    fp32. Nothing is allocated on the device: converting the model itself held an fp32 copy of it there, beside
-    the optimizer state still alive (+4 bytes a parameter, 28 GiB at 7B, past the memory plan's peak).
-    A parameter under several names (tied embeddings) is one tensor here too, as in the model, so save_pretrained
-    drops the same alias. trained_only: only the optimizer's parameters (an adapter's export reads only those;
-    copying the frozen base would cost host memory for nothing)."""
-    master_of = {id(p): m for p, m in zip(optimizer.model_params, optimizer.master_params)}
+def host_state_dict(hf: nn.Module, optimizer: torch.optim.Optimizer, trained_only: bool = False) -> dict:
+    """`hf.state_dict()` as CPU tensors copied one tensor at a time, so an export allocates nothing on the device.
+    Where the optimizer keeps fp32 masters (`master_params`): what `hf.float()` followed by copying the masters into
+    their parameters would make it, the masters (what was trained, not their rounded bf16 working copies) for the
+    optimizer's parameters and every other floating tensor upcast (exactly) to fp32 -- converting the model itself
+    held an fp32 copy of it on the device beside the optimizer state (+4 bytes a parameter, 28 GiB at 7B, past the
+    memory plan's peak). Each parameter is its own tensor here: the CUDA-graph path's parameters are views of one
+    flat buffer, which save_pretrained would take for shared storage and clone on the device. A parameter under
+    several names (tied embeddings) stays one tensor, so save_pretrained drops the same alias. trained_only: only
+    the optimizer's parameters (an adapter's export reads only those; the frozen base would cost host memory)."""
+    masters = getattr(optimizer, "master_params", None)
+    master_of = dict(zip(map(id, optimizer.model_params), masters)) if masters is not None else {}
+    trained = {id(p) for p in optimizer.model_params}
     copies: dict[int, torch.Tensor] = {}
     state = {}
     for name, t in hf.state_dict(keep_vars=True).items():
-        if trained_only and id(t) not in master_of:
+        if trained_only and id(t) not in trained:
             continue
         if id(t) not in copies:
-            value = master_of.get(id(t), t).detach().to("cpu", copy=True)   # one tensor's copy, on the host
-            copies[id(t)] = value.float() if value.is_floating_point() else value
+            value = master_of.get(id(t), t).detach().to("cpu", copy=True)
+            copies[id(t)] = value.float() if masters is not None and value.is_floating_point() else value
         state[name] = copies[id(t)]
     return state
 
@@ -126,7 +129,7 @@ def export_model(module: nn.Module, objective, settings: TrainSettings, env: Dis
     """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM); with
     train.adapter, as its `export` says (export_adapter). Tokenizer files are copied from the source directory so
     the export is usable on its own; a reward model's tokenizer pads with its config.pad_token_id
-    (export_tokenizer_pad). state: the tensors to save instead of the module's own (rank 0's; master_state_dict),
+    (export_tokenizer_pad). state: the tensors to save instead of the module's own (rank 0's; host_state_dict),
     config.json recording their dtype."""
     hf = objective.hf_model(module)
     if adapter is None:                # with adapters the head is checked on the merged model

@@ -39,7 +39,7 @@ from stages.engine.cli import _progress_bar
 from stages.engine.data import prefetch_batches, run_inference
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
                                 seed_everything, wrap_model)
-from stages.engine.export import export_model, master_state_dict
+from stages.engine.export import export_model, host_state_dict
 from stages.engine.guards import check_plan
 from stages.engine.objectives import Objective
 from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
@@ -172,6 +172,25 @@ def enable_activation_checkpointing(hf: nn.Module, settings: TrainSettings) -> i
     return n
 
 
+def cast_to_compute_dtype(module: nn.Module, settings: TrainSettings) -> dict[int, torch.Tensor] | None:
+    """The module's weights to the compute dtype (bf16 under precision bf16 without FSDP2), in place. Returns the
+    trained parameters' fp32 values (id(param) -> tensor), the source of the optimizer's masters, or None where
+    there are none (fp32 weights; bf16_sr_8bit, whose bf16 weights are the only copy)."""
+    dtype = compute_dtype(settings)
+    if dtype == torch.float32:
+        return None
+    if settings.optimizer_state == "bf16_sr_8bit":
+        module.to(dtype=dtype)
+        return None
+    # The fp32 values become the optimizer's masters (it makes its own copies). `.to(dtype)` gives each parameter
+    # new bf16 data and these views keep the old fp32 storage alive until then: no extra copy. Only the trained
+    # parameters': a frozen base (train.adapter) has no master, and keeping its fp32 load alive through the cast
+    # held 6 bytes a base parameter on the device (memory_plan's load phase counts 4 and a tensor's cast).
+    masters = {id(p): p.detach() for p in module.parameters() if p.requires_grad}
+    module.to(dtype=dtype)
+    return masters
+
+
 def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
               probe_pairs: TokenPairs, out_dir: Path, ckpt: CheckpointOptions) -> Run:
     """Model (seeded head), precision, fused kernels compiled, wrapping, optimizer, plan; resumed when a
@@ -204,14 +223,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     enable_activation_checkpointing(hf, settings if auto_layers is None
                                     else replace(settings, activation_checkpointing=auto_layers))
     module.to(env.device)
-    masters = None
-    if compute_dtype(settings) != torch.float32 and settings.optimizer_state == "bf16_sr_8bit":
-        module.to(dtype=compute_dtype(settings))   # no master: the bf16 weights are the only copy
-    elif compute_dtype(settings) != torch.float32:
-        # The fp32 values become the optimizer's masters (it makes its own copies). `.to(dtype)` gives each
-        # parameter new bf16 data and these views keep the old fp32 storage alive until then: no extra copy.
-        masters = {id(p): p.detach() for p in module.parameters()}
-        module.to(dtype=compute_dtype(settings))
+    masters = cast_to_compute_dtype(module, settings)
     objective.to(env.device)
     startup.mark("to_device")
     # Triton compiles a kernel on its first launch: do it now, not inside the timed loop's first step.
@@ -323,13 +335,16 @@ def save(run: Run, ckpt: CheckpointOptions) -> None:
 
 def export_trained(run: Run, model_dir: Path) -> None:
     """run.out_dir/model: the trained model. Where the optimizer keeps fp32 masters of bf16 weights, the masters
-    (what was trained, not their bf16 working copies) are exported in fp32, copied to the host tensor by tensor
-    (export.master_state_dict): the device holds no fp32 copy of the model, so the export stays under the
-    training peak the memory plan bounds. Rank 0 makes the copies (only it writes)."""
+    (what was trained, not their bf16 working copies) are exported in fp32. Those, and every GPU run's weights
+    (FSDP2 gathers its own), are copied to the host tensor by tensor (export.host_state_dict): the export allocates
+    nothing on the device, so it stays under the training peak the memory plan bounds. Rank 0 makes the copies
+    (only it writes)."""
     state = None
-    if getattr(run.optimizer, "master_params", None) is not None and run.env.is_main:
+    masters = getattr(run.optimizer, "master_params", None) is not None
+    on_gpu = run.env.device.type == "cuda" and run.settings.parallel != "fsdp2"
+    if (masters or on_gpu) and run.env.is_main:
         with torch.no_grad():
-            state = master_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None)
+            state = host_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None)
     export_model(run.module, run.objective, run.settings, run.env, Path(model_dir), run.out_dir / "model",
                  run.adapter, state=state)
 

@@ -23,9 +23,16 @@ Bytes (n = trainable parameters, N = all; b = 2 under precision bf16 on one devi
             in bench/results/h200_7b_ea0d2f0), a checkpointed one a d (its input) + a 2h (cos, sin), plus one
             layer's full set while it is recomputed in backward; the LM head's log-prob chunk (C = min(chunk,
             T) positions): C V (2a + 8) (bf16 logits, fp32 log-softmax and their gradients); the hidden states a T d.
-  transient the CUDA-graph path's flat-buffer build (after the first backward, activations freed): the masters'
-            new flat copy beside the old tensors, when that exceeds the rest (fp32_master_8bit with small
-            micro-batches: weights + grads + 2 x masters > its 10 bytes a parameter + activations)
+  transient the largest of these moments, beyond static + activations (none of them has activations alive):
+            - the model load (loop.build_run): N.4 read in fp32 (FSDP2: on every rank, before sharding), cast to bf16
+              a tensor at a time; the trained tensors' fp32 values stay alive as the masters' source until the
+              optimizer cloned them: max(N.4 + 2 x the largest tensor, N.2 + n.8 with masters);
+            - the CUDA-graph path's flat-buffer build (after the first backward): the masters' new flat copy beside
+              the old tensors (fp32_master_8bit with small micro-batches: weights + grads + 2 x masters);
+            - the eager 8-bit step on a GPU over bf16 gradients: one fp32 copy of a gradient for the norm.
+            The export allocates nothing on the device (host copies a tensor at a time: export.host_state_dict).
+            8-bit modes on a GPU also keep 8 bytes per 128 values of kernel tables (counted in moments);
+            fused_backward's hook takes an fp32 copy of the gradient for the norm (counted in grads).
   overhead  1 GiB (CUDA context, cuBLAS workspaces) + 5% of the rest (allocator fragmentation).
 The plan is an estimate: the fit test leaves the overhead margin; the GPU bench reports planned vs measured peaks.
 """
@@ -184,11 +191,33 @@ def estimate(cfg: dict, head: str, settings: TrainSettings, micro_batch_tokens: 
     if head == "lm_head":
         c = min(settings.logp_chunk_tokens, t)
         act += c * x["V"] * (2 * a + 8)
+    big = max(k for _, k in trainable_shapes)
+    if state != "exact" and device_type == "cuda":
+        # the GPU kernel's per-block hash inputs (parameter ordinal, first index: two int32 a block; LowBitAdamW's
+        # eager tables or FlatLowBitAdamW's), made at the first step and kept
+        moments += sum(8 * math.ceil(k / BLOCK) for _, k in trainable_shapes) // shard
+    if settings.fused_backward and b == 2:
+        grads += big * 4                         # the hook's fp32 copy of the gradient, for the logged norm
     static = weights + grads + masters + moments
+    # Transients beside the steady state (static + activations), each at a time no activation is alive:
+    phases = [0]
+    # The model load (loop.build_run): read in fp32 (FSDP2: the whole model on every rank, before fully_shard) and
+    # cast to bf16 there one tensor at a time (a tensor's fp32 and bf16 values together), the trained tensors' fp32
+    # values kept until the optimizer has cloned them into its masters (optim).
+    n_model = weights * shard // b
+    largest = max(k for _, k in shapes)
+    if b == 2:
+        phases.append(max(n_model * 4 + largest * 2, n_model * 2 + (n_train * 8 if masters else 0)))
+    else:
+        phases.append(n_model * 4)
     # The CUDA-graph path builds its flat buffers after the first backward (activations freed), one kind at a
     # time, each new buffer beside the tensors it replaces: the masters' copy is the largest (flat_adamw).
-    build = weights + grads + masters + max(masters, weights) if graphed and not settings.fused_backward else 0
-    transient = max(0, build - static - act)
+    if graphed and not settings.fused_backward:
+        phases.append(weights + grads + masters + max(masters, weights))
+    if state != "exact" and device_type == "cuda" and not graphed and b == 2 and not fsdp and not settings.fused_backward:
+        # the eager step's gradient norm (optim.fp32_grad_norm) takes one fp32 copy of a gradient at a time
+        phases.append(static + big * 4)
+    transient = max(0, max(phases) - static - act)
     base = static + act + transient
     overhead = (FIXED_OVERHEAD if device_type == "cuda" else 0) + int(FRAGMENTATION * base)
     return MemoryPlan(parameters=n_all, trainable=n_train, micro_batch_tokens=t, checkpointed_layers=ckpt,
