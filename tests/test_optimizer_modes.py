@@ -194,9 +194,6 @@ def _trained_one_step(assets, objective: str, train: dict):
     return run
 
 
-LORA = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "target_modules": ["q_proj", "v_proj", "down_proj"]}
-
-
 @pytest.mark.parametrize("objective,train", [
     ("rm", {"precision": "bf16"}),                                      # exact: MasterWeightAdamW
     ("rm", MODES["fp32_master_8bit_bf16"]),
