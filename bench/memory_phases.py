@@ -90,11 +90,7 @@ def main() -> None:
                                                                        "checkpointed_layers", "layers") else v)
                       for k, v in plan.items()}))
     print(f"{'phase':45s} {'peak GiB':>9s} {'after GiB':>9s}")
-    seen = set()
-    for name, peak, after in ROWS:
-        if name.startswith("(before") and (name, peak, after) in seen:
-            continue
-        seen.add((name, peak, after))
+    for name, peak, after in ROWS:          # "(before X)": the peak since the previous phase ended
         print(f"{name:45s} {peak:9.3f} {after:9.3f}")
     print("overall peak GiB:", max(p for _, p, _ in ROWS), "plan total GiB:", _gib(plan["total"]),
           "graphs:", info["cuda_graphs"].get("enabled"), info["cuda_graphs"].get("optimizer"))
