@@ -173,7 +173,8 @@ def _trained_one_step(assets, objective: str, train: dict):
     from stages.engine.data import prefetch_batches
     from stages.engine.dist import init_distributed
     from stages.engine.loop import build_run
-    from stages.engine.objectives import DPOObjective, RewardObjective
+    from stages.engine.dpo_objective import DPOObjective
+    from stages.engine.reward_objective import RewardObjective
     from stages.engine.settings import TrainSettings
     from stages.engine.steps import make_steps
     from stages.lib.params import load_params
