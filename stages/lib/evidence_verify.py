@@ -28,6 +28,7 @@ from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environmen
                                  portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
 from stages.lib.io import MD5, hash_bytes, hash_file, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
+from stages.lib.params import resolved_train
 
 FLOAT_REL_TOL = 1e-9     # recomputed float64 metrics: same numpy reduction order, only last-bit slack
 MANIFEST = f"{BUNDLE_ROOT}/manifest.json"
@@ -273,8 +274,9 @@ _ABSENT = object()
 
 def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     training = b.environment().get("training") or {}
-    # A run's settings are its TrainSettings record: params.yaml's `train`, with no `adapter` key for a full fine-tune.
-    train = {k: val for k, val in b.params["train"].items() if not (k == "adapter" and val is None)}
+    # A run's settings are its TrainSettings record: params.yaml's `train` with a LoRA block's defaults filled, and
+    # no `adapter` key for a full fine-tune.
+    train = {k: val for k, val in resolved_train(b.params["train"]).items() if not (k == "adapter" and val is None)}
     for label in TRAINED:
         run = training.get(label)
         if not isinstance(run, dict) or "settings" not in run:
