@@ -277,9 +277,9 @@ VERIFY_HELP = ("Check an evidence bundle: member and artifact hashes, the pipeli
                "dvc.lock, environment compared.")
 
 
-def verify_main(argv: list[str] | None) -> int:
+def verify_main(argv: list[str] | None, prog: str = "python -m stages.report verify") -> int:
     return stage_main(argv, "report", VERIFY_HELP, add_arguments=_verify_arguments, run=_verify,
-                      params=None, log=False, prog="python -m stages.report verify")
+                      params=None, log=False, prog=prog)
 
 
 def _verify(args) -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -234,6 +235,72 @@ def resolved_train(train: dict) -> dict:
         lora = next(alt for alt in alternatives if alt.get("type") == "object")
         out["adapter"] = {**schema_defaults(lora), **adapter}
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing keys into params.yaml, keeping its comments and layout
+# ---------------------------------------------------------------------------------------------
+
+def _yaml_scalar(value: Any) -> str:
+    """`value` as one plain YAML scalar (quoted only where YAML needs it)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10 ** 9).strip()
+    return text[:-len("\n...")].strip() if text.endswith("\n...") else text
+
+
+def set_section_keys(text: str, section: str, values: dict[str, Any], source: str = "params.yaml") -> str:
+    """params.yaml's text with `section`'s keys set to `values`, edited in place: every other line, comment and
+    the order of keys stay as they are (a key the block lacks is added after its last key; a section the file
+    lacks is appended). Refused (ParamsError) when the result does not parse to exactly that change, e.g. a
+    section written in flow style or a value spread over several lines."""
+    lines = text.splitlines(keepends=True)
+    before = yaml.safe_load(text) or {}
+    refusal = ParamsError(f"{source}: could not set {section}.{{{', '.join(values)}}} by editing the file in place "
+                          f"(is `{section}:` written in flow style, or a value over several lines?): set them by "
+                          "hand: " + ", ".join(f"{section}.{k}: {_yaml_scalar(v)}" for k, v in values.items()))
+    head = next((i for i, line in enumerate(lines) if re.match(rf"{re.escape(section)}:\s*(#.*)?$", line.rstrip("\n"))),
+                None)
+    if head is None and section in before:
+        raise refusal
+    if head is None:
+        block = [f"{section}:\n"] + [f"  {k}: {_yaml_scalar(v)}\n" for k, v in values.items()]
+        out = text + ("" if not text or text.endswith("\n") else "\n") + "\n" + "".join(block)
+    else:
+        end = head + 1
+        while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t#"):
+            end += 1
+        keyed = {}
+        for i in range(head + 1, end):
+            m = re.match(r"([ \t]+)([A-Za-z0-9_]+):(\s*)(.*?)(\s+#.*)?$", lines[i].rstrip("\n"))
+            if m and (not keyed or m.group(1) == next(iter(keyed.values()))[1].group(1)):
+                keyed[m.group(2)] = (i, m)
+        indent = next(iter(keyed.values()))[1].group(1) if keyed else "  "
+        last = max((i for i, _ in keyed.values()), default=head)
+        added = []
+        for key, value in values.items():
+            if key in keyed:
+                i, m = keyed[key]
+                lines[i] = f"{m.group(1)}{key}: {_yaml_scalar(value)}{m.group(5) or ''}\n"
+            else:
+                added.append(f"{indent}{key}: {_yaml_scalar(value)}\n")
+        lines[last + 1:last + 1] = added
+        out = "".join(lines)
+    if yaml.safe_load(out) != {**before, section: {**(before.get(section) or {}), **values}}:
+        raise refusal
+    return out
+
+
+def write_params_keys(path: str | os.PathLike, section: str, values: dict[str, Any]) -> None:
+    """set_section_keys on the file at `path`, written atomically with its permissions kept; the result must
+    pass the pre-flight (preflight_params), else the file is left as it was."""
+    from stages.lib.io import atomic_path
+    path = Path(path)
+    text = set_section_keys(path.read_text(encoding="utf-8"), section, values, str(path))
+    load_yaml_unique(text, str(path))
+    mode = path.stat().st_mode & 0o7777
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, mode)
+        preflight_params(tmp)
 
 
 # ---------------------------------------------------------------------------------------------
