@@ -79,7 +79,8 @@ import pyarrow.parquet as pq
 
 from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIRS_SCHEMA, content_hash, pair_id_of
-from stages.lib.io import ParquetStreamWriter, write_json, write_parquet
+from stages.lib.io import (ParquetStreamWriter, data_location, leaves_repository, workspace_root, write_json,
+                          write_parquet)
 from stages.lib.params import ParamsError, load_params
 
 # ----------------------------------------------------------------------------------------------
@@ -517,7 +518,8 @@ def source_paths(path: str, base_dir: str | Path = ".") -> list[str]:
     separators. The one expansion of globs and directories: the Snakemake rule lists these files as its inputs,
     which dvc.yaml's deps are generated from (workflow/rules/data.smk, workflow/sync_dvc.py).
     """
-    root = Path(base_dir)
+    # A path leading outside the repository is relative to the workspace, wherever this runs (data_location).
+    root = workspace_root(base_dir) if leaves_repository(path) else Path(base_dir)
     absolute = Path(path).is_absolute()
     where = "" if absolute else f" (relative to {root.resolve()})"
     if _GLOB_MAGIC.search(path):
@@ -719,7 +721,7 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".", out: Norm
                 "rejected": {r: 0 for r in REASONS}, "parsed_as": {}, "files": []}
         first_rejection: list[str] = []
         for path in files:
-            rows = iter_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
+            rows = iter_source_rows(Path(base_dir) / data_location(path, base_dir))
             file_stat = {"path": path, "rows": 0}
             stat["files"].append(file_stat)
             _normalize_file(rows, spec, path, stat, file_stat, out, first_seen, first_rejection)

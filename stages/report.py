@@ -47,7 +47,7 @@ from stages.lib.evidence import (BUNDLE_ROOT, FORMAT, EvidenceError, build_envir
                                  deterministic_targz, dvc_hash, dvc_hashes, evaluation_map, json_bytes,
                                  metrics_label, portable_params_text, portable_path, read_train_log,
                                  render_curves_png, render_summary)
-from stages.lib.io import atomic_path, sha256_bytes, write_text
+from stages.lib.io import atomic_path, data_location, sha256_bytes, write_text
 from stages.lib.params import ParamsError, load_params
 
 PACKABLE_SUFFIXES = {".json", ".jsonl", ".csv"}
@@ -181,13 +181,15 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
         raise ReportError(f"{normalize_stats}: not a readable normalize_stats.json: {e}") from None
     sources = source_files(params, stats, normalize_stats)
     data_files = sorted({f for files in sources for f in files})
-    for f in data_files:
-        if not _path(f, cwd).is_file():
+    # Where each is on disk: a file outside the repository beside the workspace, also from DVC's experiment copy.
+    located = [_path(data_location(f, cwd or "."), cwd) for f in data_files]
+    for f, where in zip(data_files, located):
+        if not where.is_file():
             raise ReportError(f"{f}: a data source file normalize read does not exist (rerun normalize)")
     # Hash in background threads while the curves render (matplotlib holds the GIL; hashlib mostly not).
     from concurrent.futures import ThreadPoolExecutor
     background = ThreadPoolExecutor(max_workers=1)
-    hashing = background.submit(dvc_hashes, [_path(p, cwd) for p in rels + data_files])
+    hashing = background.submit(dvc_hashes, [_path(p, cwd) for p in rels] + located)
     try:
         members, curves = _members_and_curves(params_path, params, packed, run_infos, environment, train_logs, cwd)
         hashes = hashing.result()

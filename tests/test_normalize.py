@@ -788,3 +788,25 @@ def test_streaming_normalize_is_byte_identical_to_in_memory(hh_rlhf_path, tmp_pa
     assert (tmp_path / "out" / "pairs.parquet").read_bytes() == (tmp_path / "ref_pairs.parquet").read_bytes()
     assert (tmp_path / "out" / "rej.parquet").read_bytes() == (tmp_path / "ref_rej.parquet").read_bytes()
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["pairs.parquet", "rej.parquet"]  # no spill left
+
+
+def test_a_source_outside_the_repository_is_found_from_a_dvc_experiment_copy(tmp_path, monkeypatch):
+    """`dvc exp run --queue` runs the stages in a copy of the repository (.dvc/tmp/exps/...) with DVC_ROOT naming
+    the workspace: a source written `../ext/...` is the file beside the workspace, read from there and named by
+    its absolute path in the rule's inputs (dvc.yaml's deps), while pairs keep the path as written."""
+    from stages.lib.io import data_location, leaves_repository
+    from stages.normalize import normalize_sources
+    workspace, copy, ext = tmp_path / "ws", tmp_path / "ws/.dvc/tmp/exps/tmp1", tmp_path / "ext"
+    for d in (workspace, copy, ext):
+        d.mkdir(parents=True, exist_ok=True)
+    (ext / "p.jsonl").write_text(json.dumps({"prompt": "q?", "chosen": "yes", "rejected": "no"}) + "\n")
+    source = {"path": "../ext/p.jsonl", "format": "trl"}
+    assert leaves_repository("../ext/p.jsonl") and not leaves_repository("data/../data/x.jsonl")
+    monkeypatch.setenv("DVC_ROOT", str(workspace))
+    assert data_location("../ext/p.jsonl", copy) == str(ext / "p.jsonl")
+    assert data_location("data/x.jsonl", copy) == "data/x.jsonl"
+    result = normalize_sources([source], base_dir=copy)
+    assert [p["src_file"] for p in result.pairs] == ["../ext/p.jsonl"]
+    monkeypatch.delenv("DVC_ROOT")
+    with pytest.raises(SourceError, match=r"\.\./ext/p\.jsonl: no such file"):    # the copy is not beside ext/
+        normalize_sources([source], base_dir=copy)

@@ -26,7 +26,7 @@ from typing import Any
 from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
                                  portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
-from stages.lib.io import MD5, hash_bytes, hash_file, sha256_bytes
+from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
 from stages.lib.params import resolved_train
 
@@ -321,6 +321,15 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     v.diffs(f"{PARAMS} (dvc.lock)", diffs, f"the {n} params dvc.lock records, stage by stage")
 
 
+def _source_dep_name(dep_path: str, source_path: str, root: Path) -> str:
+    """A normalize dep of dvc.lock by the name the manifest gives its file: the portable form, except for a source
+    outside the repository (`../shared/...`), which dvc.lock records by its absolute path (stages.lib.io
+    data_location) and the manifest as written: named again relative to the workspace."""
+    if os.path.isabs(dep_path) and leaves_repository(source_path):
+        return os.path.normpath(os.path.relpath(dep_path, os.path.abspath(root)))
+    return portable_path(dep_path, source_path)
+
+
 def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     """The manifest's `sources` are params.yaml's, in order, each file pinned; with DIR, dvc.lock's normalize deps
     (mapped to the same portable names) carry the same md5, and the files DIR holds hash to it."""
@@ -340,11 +349,11 @@ def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         lock_sources = None
     for k, src in enumerate(sources):
         lock_path = lock_sources[k]["path"] if lock_sources else None
-        by_name = {} if lock_path is None else {portable_path(d["path"], lock_path): d
+        by_name = {} if lock_path is None else {_source_dep_name(d["path"], lock_path, ws.root): d
                                                   for d in ws.deps.get("normalize", [])}
         for f in src["files"]:
             what = f"source {f['path']}"
-            dep = by_name.get(f["path"])
+            dep = by_name.get(f["path"]) or by_name.get(os.path.normpath(f["path"]))
             if ws.has_lock:
                 _same_md5(v, f"{what} (dvc.lock)", "dvc.lock", dep and dep.get("md5"), f.get("md5"),
                           "not a normalize dep in dvc.lock")
