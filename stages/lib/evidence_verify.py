@@ -9,9 +9,11 @@ checks below also hold each member to what it was made from:
     summary.md, the curve PNGs (SKIPPED, never MATCH, when this matplotlib is not the one that drew them),
     environment.json; metrics and bootstrap bounds recomputed from the per-pair rows by evaluate's code;
   - params.yaml: valid, the settings and objective each run recorded, the data sources the manifest pins;
+  - the packed run records (stages/lib/evidence_records.py) against their sums, one another, the probe manifests
+    and params; probe_sources.json, with a workspace, remade from its probe pairs;
   - with --workspace DIR: every artifact present and equal in DIR (a missing one DIFFERS, naming the stage to
     rerun), dvc.lock recording the same hashes and the same params (absolute paths compared portably), the
-    source files normalize read pinned as the manifest says, environment.json remade from DIR's run_info.json.
+    source files normalize read pinned as the manifest says.
 Without --workspace, hashed-only artifacts and source files are SKIPPED: only the bundle can be checked.
 About 500 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
 """
@@ -26,6 +28,8 @@ from typing import Any
 from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
                                  portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
+from stages.lib.evidence_records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
+                                         record_problems)
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
 from stages.lib.params import resolved_train
@@ -138,8 +142,8 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     b = _Bundle(members, manifest, params)
     ws = _Workspace(workspace) if workspace is not None else None
     for check, args in ((_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
-                        (_check_sources, (ws,)), (_check_evaluation, ()), (_check_derived, (ws,)),
-                        (_check_environment, ())):
+                        (_check_sources, (ws,)), (_check_records, (ws,)), (_check_evaluation, ()),
+                        (_check_derived, ()), (_check_environment, ())):
         _guarded(v, bundle, check, b, *args)
     return v
 
@@ -233,6 +237,17 @@ def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
             data = b.packed(rel)
             if data is None:
                 v.add(False, rel, "packed artifact missing from the bundle")
+            elif e.get("portable"):
+                # Packed with its absolute paths written portably: the member is not the file; DIR's file is.
+                if ws is None:
+                    v.add(None, rel, "packed with absolute paths written portably: give --workspace DIR to check "
+                                     "it against the file")
+                elif not (ws.root / rel).is_file():
+                    v.add(False, rel, f"missing: rerun {stage_of.get(rel, 'the pipeline')}")
+                else:
+                    same = portable_record(rel, (ws.root / rel).read_bytes(), portable_path) == data
+                    v.add(same, rel, "the workspace's file, its absolute paths written portably" if same else
+                          "not the workspace's file with its absolute paths written portably")
             else:
                 md5, sha = hash_bytes(data, MD5), sha256_bytes(data)
                 ok = md5 == e.get("md5") and sha == e.get("sha256") and len(data) == e.get("size")
@@ -454,7 +469,7 @@ def _first_difference(have: bytes, want: bytes) -> str:
     return f"bundle {len(a)} lines, recomputed {len(b)}"
 
 
-def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+def _check_derived(v: Verdicts, b: _Bundle) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     metric_files = [e["path"] for e in b.artifacts.values() if e.get("role") == "metrics" and e.get("packed")]
@@ -462,11 +477,11 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     try:
         metrics = {metrics_label(p): b.packed_json(p) for p in metric_files}
         want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
-                              sorted(curves), b.params).encode("utf-8")
+                              sorted(curves), b.params, bundle_records(b.members, BUNDLE_ROOT)).encode("utf-8")
         have = b.members.get(SUMMARY, b"")
-        v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary and params" if have == want
-              else f"not what report writes from the bundle's metrics, bootstrap summary and params: "
-                   f"{_first_difference(have, want)}")
+        v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary, run records, per-pair rows "
+              "and params" if have == want else f"not what report writes from the bundle's metrics, bootstrap summary, "
+              f"run records and params: {_first_difference(have, want)}")
     except (KeyError, TypeError, ValueError) as e:
         v.add(False, SUMMARY, f"cannot be remade from the bundle's metrics and params: {e!r}")
 
@@ -495,18 +510,41 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     facts = {k: val for k, val in record.items() if k != "lock"}
     diffs += [f"training.{label}.record is not the environment record"
               for label, run in sorted((env.get("training") or {}).items()) if run.get("record") != facts]
-    run_infos, detail = {}, "record and the runs' records agree"
-    if ws is not None:
-        for label, stage in TRAINED.items():
-            rel = STAGE_OUTPUTS[stage]["run_info"]
-            path = ws.root / rel
-            if path.is_file() and hash_file(path, (MD5,))[1][MD5] == b.artifacts.get(rel, {}).get("md5"):
-                run_infos[label] = json.loads(path.read_text(encoding="utf-8"))
-        if len(run_infos) == len(TRAINED):
-            detail = "remade from the packed record and the workspace's run_info.json"
-            if json_bytes(build_environment(record, run_infos)) != b.members.get(ENVIRONMENT):
-                diffs.append("not what report writes from the record and the workspace's run_info.json")
+    # The runs' run_info.json are packed (format 3): environment.json is remade from the bundle alone.
+    run_infos = {label: info for label, stage in TRAINED.items()
+                 if isinstance(info := b.packed_json(STAGE_OUTPUTS[stage]["run_info"]), dict)}
+    detail = "remade from the packed environment record and run_info.json"
+    if len(run_infos) != len(TRAINED):
+        diffs.append("the runs' run_info.json are not all packed")
+    elif json_bytes(build_environment(record, run_infos)) != b.members.get(ENVIRONMENT):
+        diffs.append("not what report writes from the packed record and run_info.json")
     v.diffs(ENVIRONMENT, diffs, detail)
+
+
+def _check_records(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+    """The packed run records (stages/lib/evidence_records.py) against their own arithmetic, one another, the
+    probe manifests, the manifest's sources and params; probe_sources.json, with DIR, remade from its probe pairs."""
+    probe = b.evaluation.get("probe", {})
+    records = bundle_records(b.members, BUNDLE_ROOT)
+    problems = record_problems(records, b.params, b.packed_json(probe.get("probe_manifest")),
+                               b.packed_json(probe.get("probe_token_manifest")), b.manifest.get("sources"),
+                               portable_path)
+    for rel, found in problems.items():
+        v.diffs(f"{rel} (record)", found, "consistent with the other records, the probe manifests and params")
+    rel = STAGE_OUTPUTS["freeze_probe"]["probe"]
+    pm = b.packed_json(probe.get("probe_manifest"))
+    if ws is None or not (ws.root / rel).is_file() or not isinstance(pm, dict):
+        v.add(None, f"{PROBE_SOURCES} (workspace)", f"give --workspace DIR holding {rel} to remake it")
+        return
+    from stages.lib.io import read_parquet
+    table = read_parquet(ws.root / rel).select(["pair_id", "source"]).to_pydict()
+    try:
+        want = probe_sources_record(pm, table["pair_id"], table["source"])
+    except ValueError as e:
+        v.add(False, f"{PROBE_SOURCES} (workspace)", f"{rel}: {e}")
+        return
+    v.add(want == records.get("probe_sources"), f"{PROBE_SOURCES} (workspace)",
+          f"remade from {rel}" if want == records.get("probe_sources") else f"not the sources of {rel}'s pairs")
 
 
 def _check_environment(v: Verdicts, b: _Bundle) -> None:
