@@ -15,7 +15,7 @@ checks below also hold each member to what it was made from:
     rerun), dvc.lock recording the same hashes and the same params (absolute paths compared portably), the
     source files normalize read pinned as the manifest says.
 Without --workspace, hashed-only artifacts and source files are SKIPPED: only the bundle can be checked.
-About 500 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
+About 560 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
 """
 from __future__ import annotations
 
