@@ -35,13 +35,13 @@ include: "workflow/rules/common.smk"
 # (Snakemake's --forcerun: this command starts itself again with it), with everything downstream, saying why; DVC's
 # repository lock is held for the run, so `dvc repro` cannot run beside it. Only in Snakemake's main process of a
 # user's run (not on cluster nodes, not inside DVC, not for sync_dvc.py's DAG read).
-from integrity import IntegrityError, RunGuard, guards_this_process
+from integrity import IntegrityError, RunGuard, guards_this_process, requested_targets
 from preflight import refuse
 
 RUN_GUARD = None
 if guards_this_process(workflow):
     try:
-        RUN_GUARD = RunGuard(Path(workflow.basedir))
+        RUN_GUARD = RunGuard(Path(workflow.basedir), requested_targets())
         if RUN_GUARD.unforced:
             RUN_GUARD.rerun_forcing()       # this command again, with --forcerun: replaces this process
     except IntegrityError as _e:

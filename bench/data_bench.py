@@ -119,7 +119,8 @@ def ceiling(work: Path, tok_dir: Path, n_pairs: int) -> dict:
     """Raw tokenizer throughput, one thread, on the full renderings of the first n train pairs."""
     import pyarrow.parquet as pq
 
-    from stages.tokenize import PairTokenizer, load_tokenizer
+    from stages.data.pair_tokenizer import PairTokenizer
+    from stages.data.tokenizer import load_tokenizer
 
     pf = pq.ParquetFile(work / "results" / "train.parquet")
     pairs = []
@@ -210,8 +211,8 @@ def main() -> None:
         "--params", "params.yaml", "--pairs", f"{R}/pairs.parquet", "--rejections", f"{R}/rejections.parquet",
         "--stats", f"{R}/normalize_stats.json", "--log", "logs/normalize.log"], work, logs)
     stages["freeze_probe"] = run_stage("freeze_probe", [
-        "--params", "params.yaml", "--pairs", f"{R}/pairs.parquet", "--train", f"{R}/train.parquet",
-        "--probe", f"{R}/probe.parquet", "--manifest", f"{R}/probe_manifest.json", "--log", "logs/freeze_probe.log"],
+        "--params", "params.yaml", "--pairs", f"{R}/pairs.parquet", "--identity", f"{R}/ref_identity.json",
+        "--train", f"{R}/train.parquet", "--probe", f"{R}/probe.parquet", "--manifest", f"{R}/probe_manifest.json", "--log", "logs/freeze_probe.log"],
         work, logs)
     stages["tokenize"] = run_stage("tokenize", [
         "--params", "params.yaml", "--identity", f"{R}/ref_identity.json", "--train", f"{R}/train.parquet",

@@ -98,23 +98,46 @@ SHAPES = {
                          num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
     "qwen2.5-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
                        num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "qwen2.5-14b": dict(hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                        num_key_value_heads=8, vocab_size=152064, tie_word_embeddings=False),
 }
 # Per-shape params defaults per mode family, under --set / --set-lora. 7B: 16 bytes/parameter of weights and
 # optimizer state (bf16 weights + gradients, fp32 masters + 2 moments in the flat AdamW of the CUDA-graph
 # step) is ~114 GiB of the H200's ~139: activations (~4.6 MB per token at 7B without checkpointing, and
 # activation checkpointing turns the CUDA graphs, hence the flat AdamW, off: +4 bytes/parameter) must fit
 # the rest, so 2048-token micro-batches. LoRA keeps only the bf16 base (~15 GB): larger ones.
+# The low-bit optimizer states (issue 30) at 7B: ~10 (fp32_master_8bit) and ~6 (bf16_sr_8bit) bytes a parameter.
+# 4096-token micro-batches: the memory plan (stages/engine/memory_plan.py) puts them at 98 and 68 GiB, at or below
+# TRL's full DPO (94 GiB tuned, 72 GiB with its default gradient checkpointing); ours_fused (exact state, the step
+# inside backward) needs one micro-batch a step (16384 tokens >= 8 pairs of <= 2 x 1024) and checkpoints as many
+# layers as the plan needs to fit (auto). The plan refuses before the load where a preset would not fit.
 SHAPE_PRESETS = {
     "qwen2.5-7b": {"ours": {"train.precision": "bf16", "train.micro_batch_tokens": 2048},
+                   "ours_8bit": {"train.micro_batch_tokens": 4096},
+                   "ours_sr": {"train.micro_batch_tokens": 4096},
                    "ours_lora": {"train.precision": "bf16", "train.micro_batch_tokens": 8192}},
+    "qwen2.5-14b": {"ours_lora": {"train.precision": "bf16", "train.micro_batch_tokens": 8192}},
+}
+# Our full fine-tune families (precision bf16 for all but `ours`, whose precision is --set's / the preset's: the
+# optimizer modes are about bf16 weights): train overrides of each.
+STATE_FAMILIES = {
+    "ours": {},
+    "ours_8bit": {"train.precision": "bf16", "train.optimizer": {"state": "fp32_master_8bit"}},
+    "ours_sr": {"train.precision": "bf16", "train.optimizer": {"state": "bf16_sr_8bit"}},
+    "ours_fused": {"train.precision": "bf16", "train.optimizer": {"state": "exact", "fused_backward": True},
+                   "train.max_grad_norm": 0.0, "train.micro_batch_tokens": 16384,
+                   "train.activation_checkpointing": "auto"},
 }
 # The adapter of issue 20 part 1 (the agreed param shape); TRL's LoraConfig gets the same r / alpha / targets.
 LORA = {"type": "lora", "r": 16, "alpha": 32, "dropout": 0.0,
         "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
         "export": "merged"}
-MODE_GROUPS = {"ours": ["ours_dpo", "ours_rm"], "ours_lora": ["ours_lora_dpo", "ours_lora_rm"],
+MODE_GROUPS = {"ours": ["ours_dpo", "ours_rm"], "ours_8bit": ["ours_8bit_dpo", "ours_8bit_rm"],
+               "ours_sr": ["ours_sr_dpo", "ours_sr_rm"], "ours_fused": ["ours_fused_dpo", "ours_fused_rm"],
+               "ours_lora": ["ours_lora_dpo", "ours_lora_rm"],
                "trl": ["trl_dpo_tuned", "trl_rm_tuned"], "trl_peft": ["trl_dpo_peft", "trl_rm_peft"]}
-MODES = ["ours_dpo", "ours_rm", "ours_lora_dpo", "ours_lora_rm", "trl_dpo_tuned", "trl_rm_tuned", "trl_dpo_peft",
+MODES = ["ours_dpo", "ours_rm", "ours_8bit_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_sr_rm", "ours_fused_dpo",
+         "ours_fused_rm", "ours_lora_dpo", "ours_lora_rm", "trl_dpo_tuned", "trl_rm_tuned", "trl_dpo_peft",
          "trl_rm_peft", "trl_dpo", "trl_rm"]
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
@@ -142,7 +165,8 @@ class StageFailed(RuntimeError):
 def failure_record(exc: StageFailed) -> dict:
     """What a failed mode leaves in the results: "oom" when its log names a CUDA out-of-memory (a run that does
     not fit), else "failed"; the log's tail either way."""
-    status = "oom" if any(m in exc.tail for m in OOM_MARKERS) else "failed"
+    status = ("refused_by_memory_plan" if "refused: memory plan" in exc.tail else
+              "oom" if any(m in exc.tail for m in OOM_MARKERS) else "failed")
     return {"status": status, "returncode": exc.returncode, "error": exc.tail[-3000:]}
 
 
@@ -235,8 +259,11 @@ def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length:
                    concat: int = 1) -> dict:
     from stages.lib.io import write_parquet
     from stages.engine.packing import load_token_pairs, shares_prompt
+    from stages.data.limits import TokenizeLimits
+    from stages.data.pair_tokenizer import PairTokenizer
+    from stages.data.tokenizer import load_tokenizer
+    from stages.data.truncation import tokenize_pairs, tokens_table
     from stages.normalize import normalize_sources
-    from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs, tokens_table
 
     lines = hh_lines(hh, concat)
     subsets = {"train": lines[:n_pairs], "probe": lines[-n_probe:]}   # probe far from the train rows
@@ -250,7 +277,8 @@ def prepare_tokens(hh: Path, gpt2: Path, n_pairs: int, n_probe: int, max_length:
         src = work / f"hh_{split}.jsonl"
         src.write_text("\n".join(rows) + "\n")
         norm = normalize_sources([{"name": "hh", "path": str(src), "format": "hh"}])
-        result = tokenize_pairs(tok, norm.pairs, limits, split)
+        pairs = sorted(norm.pairs, key=lambda p: p["pair_id"])    # pairs.parquet's order, as normalize writes it
+        result = tokenize_pairs(tok, pairs, limits, split)
         write_parquet(work / f"{split}_tokens.parquet", tokens_table(result.rows))
         seq_tokens = sum(len(r["chosen_ids"]) + len(r["rejected_ids"]) for r in result.rows)
         # what the shared-prompt layout actually runs: each pair's common prompt once (packing's own test)
@@ -361,6 +389,15 @@ def run_stage(stage: str, params_file: Path, model_dir: Path, work: Path, extra:
         return res
     out_dir = Path(extra[extra.index("--out-dir") + 1])
     info = json.loads((out_dir / "run_info.json").read_text())
+    # what the mode learned (the accuracy comparison between optimizer states): the final probe's tie-aware
+    # accuracy and mean margin, the last logged training loss
+    probe_rows = [json.loads(line) for line in (out_dir / "probe_final.jsonl").read_text().splitlines() if line]
+    res["probe_accuracy"] = round(sum(float(r["correct"]) for r in probe_rows) / max(1, len(probe_rows)), 4)
+    res["probe_mean_margin"] = round(sum(float(r["margin"]) for r in probe_rows) / max(1, len(probe_rows)), 5)
+    log_lines = (out_dir / "train_log.csv").read_text().splitlines()
+    if len(log_lines) > 1:
+        header, last = log_lines[0].split(","), log_lines[-1].split(",")
+        res["final_train_loss"] = float(last[header.index("loss")])
     # The export is not measured and a 7B one is 15-30 GB: gone before the next stage writes its own.
     shutil.rmtree(out_dir / "model", ignore_errors=True)
     # run_info's cuda_graphs holds the facts (shapes, optimizer), perf's the capture and first-step seconds.
@@ -549,7 +586,14 @@ def ours_row(name: str, stages: dict, objective: str, shape: dict, w: dict, lora
             "computed_tokens": computed, "peak_mem_gib": round(max(train["peak_memory_bytes_per_rank"]) / 2**30, 2),
             "device_peak_gib": max((m for m in mems if m is not None), default=None),
             # the stage's wall time outside its timed loop: start-up, model load, probes, export
-            "outside_train_s": round(train["wall_s"] - train["train_seconds"], 1)}
+            "outside_train_s": round(train["wall_s"] - train["train_seconds"], 1),
+            "optimizer_state": (train.get("settings", {}).get("optimizer") or {}).get("state", "exact"),
+            "fused_backward": bool((train.get("settings", {}).get("optimizer") or {}).get("fused_backward")),
+            "checkpointed_layers": (train.get("memory_plan") or {}).get("checkpointed_layers"),
+            "micro_batch_tokens": train.get("settings", {}).get("micro_batch_tokens"),
+            "planned_peak_gib": (round(train["memory_plan"]["total"] / 2**30, 2) if train.get("memory_plan") else None),
+            "probe_accuracy": train.get("probe_accuracy"), "probe_mean_margin": train.get("probe_mean_margin"),
+            "final_train_loss": train.get("final_train_loss")}
 
 
 def trl_row(name: str, t: dict, objective: str, shape: dict, w: dict, lora: dict | None, peak: float | None) -> dict:
@@ -585,7 +629,10 @@ def main(argv=None) -> None:
                     "only (after --set), e.g. train.cuda_graphs=0")
     ap.add_argument("--model-cache", help="where the random-init model is written once and reused (default: --work)")
     ap.add_argument("--work", default="/tmp/prefpipe_bench")
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="only merge these results into --out (no run)")
     args = ap.parse_args(argv)
+    if args.merge:
+        return merge(args.merge, args.out)
     modes = expand_modes(args.modes)
 
     import torch
@@ -623,10 +670,14 @@ def main(argv=None) -> None:
     user = dict(kv.split("=", 1) for kv in args.set)
     user_lora = dict(kv.split("=", 1) for kv in args.set_lora)
     family_overrides = {
-        "ours": {**overrides, **preset.get("ours", {}), **{k: yaml.safe_load(v) for k, v in user.items()}},
-        "ours_lora": {**overrides, **preset.get("ours_lora", {}), "train.adapter": lora,
-                      **{k: yaml.safe_load(v) for k, v in {**user, **user_lora}.items()}}}
-    families = [f for f in ("ours", "ours_lora") if any(family_of(m) == f for m in modes)]
+        family: {**overrides, **family_set, **preset.get(family, {}), **{k: yaml.safe_load(v) for k, v in user.items()}}
+        for family, family_set in STATE_FAMILIES.items()}
+    family_overrides["ours_lora"] = {**overrides, **preset.get("ours_lora", {}), "train.adapter": lora,
+                                     **{k: yaml.safe_load(v) for k, v in {**user, **user_lora}.items()}}
+    families = [f for f in OUR_FAMILIES if any(family_of(m) == f for m in modes)]
+    result["expected_seconds"] = expected_seconds(args.shape, modes, args.pairs)
+    print(f"gpu_bench: {args.shape}, {args.pairs} pairs; expected seconds per mode (a rough guide): "
+          f"{result['expected_seconds']}, total ~{sum(result['expected_seconds'].values())} s", flush=True)
     result["overrides"] = {f: family_overrides[f] for f in families}
     w = result["workload"]["train"]
     peak = peak_tflops * 1e12 if peak_tflops else None
@@ -640,11 +691,13 @@ def main(argv=None) -> None:
     for family in families:
         objectives = [o for o in ("dpo", "rm") if f"{family}_{o}" in modes]
         params = bench_params(base, family_overrides[family])
-        stages = run_ours(family, objectives, work, model_dir, params, logs, ref_reuse if family == "ours_lora" else None)
+        stages = run_ours(family, objectives, work, model_dir, params, logs, ref_reuse)
         result[family] = stages
         ref = stages.get("ref_logps", {})
-        if family == "ours" and "train_seconds" in ref:
-            ref_reuse = (Path(stages["ref_logps_path"]), ref)   # the LoRA DPO's reference is the same frozen base
+        if ref_reuse is None and "train_seconds" in ref:
+            # every family's reference is the same base model in bf16: one reference pass, reused (its time
+            # counts in each DPO row)
+            ref_reuse = (Path(stages["ref_logps_path"]), ref)
         for o in objectives:
             row = ours_row(f"{family}_{o}", stages, o, shape, w, lora if family == "ours_lora" else None,
                            params["train"]["share_prompt"], peak)
@@ -670,31 +723,98 @@ def main(argv=None) -> None:
         result[mode] = t
         rows.append(trl_row(mode, t, objective, shape, w, lora_for_trl(trl_mode), peak))
         save_partial()
+    summarize(result, rows)
+    out_json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print_table(result)
+
+
+def summarize(result: dict, rows: list[dict]) -> None:
+    """Ratios to TRL (each full fine-tune family to TRL's fastest fit and to its defaults; LoRA to TRL+PEFT), each
+    optimizer state's accuracy against the exact one, MFU; result["table"] = rows."""
     by = {r["mode"]: r for r in rows if r.get("status") == "ok"}
-    for ours_name, trl_name in (("ours_dpo", "trl_dpo_tuned"), ("ours_rm", "trl_rm_tuned"),
-                                ("ours_lora_dpo", "trl_dpo_peft"), ("ours_lora_rm", "trl_rm_peft")):
-        if ours_name in by and trl_name in by:
-            ratio = round(by[ours_name]["tokens_per_s"] / by[trl_name]["tokens_per_s"], 2)
-            result[f"ratio_{ours_name[len('ours_'):]}"] = ratio
-            by[ours_name]["ratio_to_trl"], by[trl_name]["ratio_to_trl"] = ratio, 1.0
     for kind in ("dpo", "rm"):
+        pairs = [(f"{f}_{kind}", f"trl_{kind}_tuned", "ratio_to_trl") for f in STATE_FAMILIES]
+        pairs += [(f"{f}_{kind}", f"trl_{kind}", "ratio_to_trl_defaults") for f in STATE_FAMILIES]
+        pairs += [(f"ours_lora_{kind}", f"trl_{kind}_peft", "ratio_to_trl")]
+        for ours_name, trl_name, label in pairs:
+            if ours_name in by and trl_name in by:
+                ratio = round(by[ours_name]["tokens_per_s"] / by[trl_name]["tokens_per_s"], 2)
+                suffix = "" if label == "ratio_to_trl" else "_defaults"
+                result[f"ratio_{ours_name[len('ours_'):]}{suffix}"] = ratio
+                by[ours_name][label] = ratio
+                by[trl_name].setdefault("ratio_to_trl", 1.0)
         if f"ours_{kind}" in by:
             result[f"mfu_{kind}"] = by[f"ours_{kind}"]["mfu"]
+        exact = by.get(f"ours_{kind}")
+        for f in ("ours_8bit", "ours_sr", "ours_fused"):
+            row = by.get(f"{f}_{kind}")
+            if exact and row and exact.get("probe_accuracy") is not None:
+                result.setdefault("accuracy_vs_exact", {})[f"{f}_{kind}"] = {
+                    "probe_accuracy": row["probe_accuracy"], "exact_probe_accuracy": exact["probe_accuracy"],
+                    "difference": round(row["probe_accuracy"] - exact["probe_accuracy"], 4),
+                    "final_train_loss": row.get("final_train_loss"), "exact_final_train_loss": exact.get("final_train_loss")}
     result["table"] = rows
-    out_json.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
-    cols = ["mode", "status", "seconds", "tokens", "tokens_per_s", "pairs_per_s", "ratio_to_trl", "mfu", "mfu_hw",
-            "peak_mem_gib", "device_peak_gib"]
+
+
+def print_table(result: dict) -> None:
+    rows = result["table"]
+    cols = ["mode", "status", "seconds", "tokens", "tokens_per_s", "pairs_per_s", "ratio_to_trl",
+            "ratio_to_trl_defaults", "mfu", "mfu_hw", "peak_mem_gib", "planned_peak_gib", "device_peak_gib",
+            "probe_accuracy", "final_train_loss"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
-    print(json.dumps({k: result.get(k) for k in ("gpu", "matmul_peak_tflops", "model", "ratio_dpo", "ratio_rm",
-                                                 "ratio_lora_dpo", "ratio_lora_rm", "mfu_dpo")}))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio_", "mfu_", "accuracy_vs_exact"))
+                      or k in ("gpu", "matmul_peak_tflops", "model")}))
+
+
+def merge(paths: list[str], out: str) -> None:
+    """Several invocations' JSONs (e.g. one per --modes group, each under the device's 10-minute limit) as one
+    side-by-side result: their rows in order, ratios and the accuracy comparison recomputed across them."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    shapes = {p["shape"] for p in parts}
+    if len(shapes) != 1:
+        raise SystemExit(f"gpu_bench: refused: --merge of different shapes {sorted(shapes)}")
+    result = {"merged_from": paths, "shape": parts[0]["shape"], "gpu": parts[0].get("gpu"),
+              "matmul_peak_tflops": parts[0].get("matmul_peak_tflops"), "model": parts[0].get("model"),
+              "pairs": [p["pairs"] for p in parts], "commands": [p.get("command") for p in parts]}
+    summarize(result, [r for p in parts for r in p["table"]])
+    Path(out).write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print_table(result)
 
 
 def family_of(mode: str) -> str | None:
     """Which of our params families a row mode runs under (None: a TRL mode)."""
-    return "ours_lora" if mode.startswith("ours_lora_") else "ours" if mode.startswith("ours_") else None
+    for family in ("ours_lora", "ours_8bit", "ours_sr", "ours_fused", "ours"):
+        if mode.startswith(family + "_"):
+            return family
+    return None
+
+
+OUR_FAMILIES = ("ours", "ours_8bit", "ours_sr", "ours_fused", "ours_lora")
+# Rough rates for the expected-duration print (tokens/s of a training loop; seconds a stage spends starting, loading
+# and exporting), from bench/results (0.5B, 7B) and scaled by parameters for the rest: a planning aid, not a result.
+RATE_PER_BPARAM = {"ours": 36_000, "ours_lora": 80_000, "trl": 26_000, "trl_default": 17_000, "trl_peft": 14_000}
+
+
+def expected_seconds(shape: str, modes: list[str], pairs: int, tokens_per_pair: float = 321.0) -> dict:
+    """Each mode's expected seconds (train loop + start-up, load and export per stage), for the printout."""
+    billions = param_counts(SHAPES[shape])["total"] / 1e9
+    tokens = pairs * tokens_per_pair
+    per_stage = 10 + 8 * billions                   # start-up + the model read from the cache (+ export, full)
+    out = {}
+    for m in modes:
+        fam = family_of(m)
+        if fam is not None:
+            rate = RATE_PER_BPARAM["ours_lora" if fam == "ours_lora" else "ours"] / billions
+            stages = 2 if m.endswith("_dpo") else 1
+            export = 0 if fam == "ours_lora" else 4 * billions
+            out[m] = round(stages * per_stage + export + tokens / rate * (1.33 if m.endswith("_dpo") else 1))
+        else:
+            key = "trl_peft" if m.endswith("_peft") else "trl" if m.endswith("_tuned") else "trl_default"
+            out[m] = round(30 + 6 * billions + tokens / (RATE_PER_BPARAM[key] / billions))
+    return out
 
 
 def lora_for_trl(trl_mode: str) -> dict | None:

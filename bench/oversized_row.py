@@ -90,7 +90,8 @@ def main() -> None:
             "--params", "params.yaml", "--pairs", f"{R}/pairs.parquet", "--rejections", f"{R}/rejections.parquet",
             "--stats", f"{R}/normalize_stats.json", "--log", "logs/normalize.log"], work)
         stages["freeze_probe"] = run_stage(repo, "freeze_probe", [
-            "--params", "params.yaml", "--pairs", f"{R}/pairs.parquet", "--train", f"{R}/train.parquet",
+            "--params", "params.yaml", "--pairs", f"{R}/pairs.parquet", "--identity", f"{R}/ref_identity.json",
+            "--train", f"{R}/train.parquet",
             "--probe", f"{R}/probe.parquet", "--manifest", f"{R}/probe_manifest.json",
             "--log", "logs/freeze_probe.log"], work)
         sources = pq.read_table(work / R / "train.parquet", columns=["source", "pair_id"]).to_pylist()

@@ -1,14 +1,21 @@
 """Freeze the evaluation probe: a seeded, order-independent split of the normalized pairs.
 
     python -m stages.freeze_probe --params params.yaml --pairs results/normalize/pairs.parquet \\
+        --identity results/ref/ref_identity.json \\
         --train results/probe/train.parquet --probe results/probe/probe.parquet \\
         --manifest results/probe/probe_manifest.json --log logs/freeze_probe.log
 
 Selection: every pair gets the rank sha256(f"{probe.seed}:{pair_id}"); pairs are walked in
 ascending rank and a pair joins the probe unless a pair with the same normalized prompt already
-did, until probe.size pairs are taken. The result depends only on the set of pairs and the seed,
-never on row order. Normalized prompt = canonical JSON of the prompt messages with each content's
-whitespace collapsed, so "What  colour?" and "What colour?\\n" are one prompt.
+did, or it does not fit, until probe.size pairs are taken. Normalized prompt = canonical JSON of the
+prompt messages with each content's whitespace collapsed, so "What  colour?" and "What colour?\\n" are one
+prompt. A pair fits when tokenize would keep it: the reference's tokenizer (--identity, verified) under
+params.yaml's `tokenize` limits and truncation mode (stages/data/truncation.py; a truncated pair fits, and is
+recorded as truncated by tokenize), so the frozen probe is never refused for length (it must be scored whole).
+Whether a pair fits depends on the pair, the tokenizer and the limits only, so the result depends only on the
+set of pairs, the seed, the tokenizer and the limits, never on row order; a pair walked over because it does not
+fit stays in train (tokenize rejects or truncates it there), counted by reason in the manifest (`fit`).
+Only the pairs the walk reaches are tokenized (about probe.size of them).
 
 No probe prompt reaches train: every other pair whose normalized prompt equals a probe prompt is
 excluded from train and listed in the manifest (`excluded_from_train`, reason `probe_prompt_leak`),
@@ -22,24 +29,58 @@ from __future__ import annotations
 import hashlib
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
 
 import pyarrow as pa
 
+from stages.data.limits import TokenizeError, load_limits
+from stages.data.pair_tokenizer import PairTokenizer
+from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers_only_process
+from stages.data.truncation import tokenize_pairs
 from stages.lib.cli import stage_main
 from stages.lib.contracts import (PAIR_COLUMNS, content_hash_problem, missing_pair_columns, pair_id_problem,
                                   pair_problems, probe_digest, row_content_hash)
 from stages.lib.io import (ParquetStreamWriter, canonical_json, iter_parquet_batches, open_parquet, read_parquet,
                            sha256_text, write_json, write_parquet)
 from stages.lib.params import ParamsError, load_params
+from stages.lib.reference import RefIdentityError, load_verified_dir
 
 SELECTION = ("ascending sha256(f'{seed}:{pair_id}'), at most one pair per normalized prompt "
              "(canonical JSON of messages, whitespace-collapsed content)")
+FIT_SELECTION = ", only pairs tokenize keeps under the tokenize limits (fit)"
 LEAK = "probe_prompt_leak"
 
 
 class ProbeError(ValueError):
     """The pairs cannot give a valid probe (too few prompts, malformed or inconsistent rows)."""
+
+
+class ProbeFit:
+    """Whether tokenize would keep a pair: the reference's pair tokenizer under the tokenize limits (the probe is
+    scored whole, so a pair it would reject cannot be a probe pair). `reasons(pairs)`: None for a pair that fits,
+    else tokenize's rejection reason."""
+
+    def __init__(self, tokenizer, limits, tokenizer_identity: str):
+        """`tokenizer`: a loaded tokenizer, or a directory to load it from when it is first needed (after the pairs
+        are checked: bad pairs are refused without loading one)."""
+        self.tokenizer, self.limits, self.tokenizer_identity = tokenizer, limits, tokenizer_identity
+        self._pair_tokenizer = None
+
+    def reasons(self, pairs: list[dict]) -> list[str | None]:
+        if self._pair_tokenizer is None:
+            tok = self.tokenizer
+            self._pair_tokenizer = PairTokenizer(load_tokenizer(tok) if isinstance(tok, (str, Path)) else tok)
+        rejected = {r["pair_id"]: r["reason"] for r in
+                    tokenize_pairs(self._pair_tokenizer, pairs, self.limits, "probe").rejections}
+        return [rejected.get(p["pair_id"]) for p in pairs]
+
+    def record(self, skipped: Counter) -> dict:
+        """The manifest's `fit`: what fitting meant and the pairs the walk passed over for not fitting."""
+        return {"tokenizer_identity": self.tokenizer_identity, "limits": self.limits.as_dict(),
+                "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items()))}
 
 
 @dataclass(frozen=True)
@@ -75,8 +116,53 @@ def _check_pairs(pairs: pa.Table, where: str) -> None:
                          + "\n  ".join(problems[:20]))
 
 
-def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs") -> ProbeSplit:
-    """Split `pairs` (normalize's schema) into train and a `size`-pair probe; see the module doc."""
+def select_probe(order: Iterable[int], keys: Sequence, size: int,
+                 fit_reasons: Callable[[list[int]], list[str | None]] | None) -> tuple[list[int], Counter]:
+    """The walk (module doc): rows in `order` (ascending rank), each taken unless its key (normalized prompt) is
+    taken or it does not fit, until `size` rows are. `fit_reasons(rows)`: None per row that fits, else why not
+    (None: every row fits). Rows are asked about in windows of as many as are still missing, so about `size`
+    rows are tokenized when most fit. Returns (probe rows in walk order, the reasons of the rows passed over)."""
+    probe_rows: list[int] = []
+    probe_keys: set = set()
+    skipped: Counter = Counter()
+    order = iter(order)
+    while len(probe_rows) < size:
+        window = []
+        for i in order:
+            if keys[i] not in probe_keys:
+                window.append(i)
+                if len(window) == size - len(probe_rows):
+                    break
+        if not window:
+            break
+        reasons = fit_reasons(window) if fit_reasons is not None else [None] * len(window)
+        for i, reason in zip(window, reasons):
+            if keys[i] in probe_keys:       # an earlier row of this window took the prompt
+                continue
+            if reason is not None:
+                skipped[reason] += 1
+                continue
+            probe_rows.append(i)
+            probe_keys.add(keys[i])
+            if len(probe_rows) == size:
+                break
+    return probe_rows, skipped
+
+
+def _check_filled(probe_rows: list[int], skipped: Counter, n_prompts: int, size: int, fit: ProbeFit | None,
+                  where: str) -> None:
+    if len(probe_rows) < size:
+        limits = fit.limits.as_dict() if fit is not None else {}
+        raise ProbeError(f"{where}: only {len(probe_rows)} of the {n_prompts} distinct prompts have a pair that fits "
+                         f"the tokenize limits ({', '.join(f'{k} {v}' for k, v in limits.items())}) but probe.size is "
+                         f"{size}; {sum(skipped.values())} pairs do not fit ({', '.join(f'{r} {n}' for r, n in sorted(skipped.items()))}): "
+                         f"raise tokenize.max_length / max_prompt_length, let tokenize cut them "
+                         f"(tokenize.truncation: keep_end_then_completion) or lower probe.size")
+
+
+def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs", fit: ProbeFit | None = None) -> ProbeSplit:
+    """Split `pairs` (normalize's schema) into train and a `size`-pair probe; see the module doc. `fit`: the
+    probe takes only pairs tokenize keeps (None: every pair counts as fitting)."""
     _check_pairs(pairs, where)
     pair_ids = pairs.column("pair_id").to_pylist()
     hashes = pairs.column("content_hash").to_pylist()
@@ -95,14 +181,11 @@ def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs") ->
                          f"{size} distinct prompts (lower probe.size or add data)")
 
     order = sorted(range(len(pair_ids)), key=lambda i: (selection_rank(seed, pair_ids[i]), pair_ids[i]))
-    probe_rows: list[int] = []
-    probe_keys: set[str] = set()
-    for i in order:
-        if keys[i] not in probe_keys:
-            probe_rows.append(i)
-            probe_keys.add(keys[i])
-            if len(probe_rows) == size:
-                break
+    fit_reasons = None if fit is None else (lambda rows: fit.reasons(pairs.take(pa.array(rows, pa.int64())).select(
+        ["pair_id", "prompt", "chosen", "rejected"]).to_pylist()))
+    probe_rows, skipped = select_probe(order, keys, size, fit_reasons)
+    _check_filled(probe_rows, skipped, n_prompts, size, fit, where)
+    probe_keys = {keys[i] for i in probe_rows}
     probe_set = set(probe_rows)
     excluded_rows = sorted((i for i in range(len(pair_ids)) if i not in probe_set and keys[i] in probe_keys),
                            key=lambda i: pair_ids[i])
@@ -113,19 +196,23 @@ def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs") ->
 
     probe = pairs.take(pa.array(probe_rows, pa.int64()))
     train = pairs.take(pa.array(train_rows, pa.int64()))
-    manifest = probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, len(train_rows))
+    manifest = probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, len(train_rows),
+                              None if fit is None else fit.record(skipped))
     return ProbeSplit(train=train, probe=probe, manifest=manifest)
 
 
-def probe_manifest(size: int, seed: int, pair_ids, hashes, probe_rows, excluded_rows, train_pairs: int) -> dict:
+def probe_manifest(size: int, seed: int, pair_ids, hashes, probe_rows, excluded_rows, train_pairs: int,
+                   fit_record: dict | None = None) -> dict:
     """probe_manifest.json (docs/ARTIFACTS.md) from row indices into the pairs' IDs and content hashes; the one
     builder of both paths (in memory, streaming), so their manifests cannot drift apart."""
     probe_ids = [pair_ids[i] for i in probe_rows]
     probe_hashes = [hashes[i] for i in probe_rows]
+    fit = {} if fit_record is None else {"fit": fit_record}
     return {
+        **fit,
         "size": size,
         "seed": seed,
-        "selection": SELECTION,
+        "selection": SELECTION + (FIT_SELECTION if fit_record is not None else ""),
         "pair_ids": probe_ids,
         "content_hashes": probe_hashes,
         "probe_digest": probe_digest(probe_ids, probe_hashes),
@@ -150,13 +237,28 @@ def _key_digest(prompt: list, where: str, row: int, pair_id: str) -> bytes:
     return hashlib.sha256(prompt_key(prompt).encode("utf-8")).digest()[:16]
 
 
+def _rows_at(pairs_path: str, pf, rows: list[int], chunk_rows: int) -> list[dict]:
+    """The pairs at `rows` (file row numbers), in that order: one pass over the file, keeping only those."""
+    wanted = set(rows)
+    found: dict[int, dict] = {}
+    start = 0
+    for batch in iter_parquet_batches(pairs_path, chunk_rows, ["pair_id", "prompt", "chosen", "rejected"],
+                                      parquet_file=pf):
+        local = [r - start for r in range(start, start + batch.num_rows) if r in wanted]
+        if local:
+            found.update(zip((start + r for r in local), batch.take(pa.array(local, pa.int64())).to_pylist()))
+        start += batch.num_rows
+    return [found[r] for r in rows]
+
+
 def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str, probe_path: str,
-                      chunk_rows: int = DEFAULT_CHUNK_ROWS) -> dict:
+                      chunk_rows: int = DEFAULT_CHUNK_ROWS, fit: ProbeFit | None = None) -> dict:
     """freeze_probe() on the parquet at `pairs_path`, written to train_path / probe_path as it goes;
-    returns the manifest. Two passes over the file; between them only per-row pair IDs, 16-byte prompt
-    key digests and selection ranks are held. The same bytes as write_parquet(freeze_probe(...)):
-    normalize writes pairs sorted by pair_id, so train is the input filtered in place (an input in
-    another order is split through freeze_probe() in memory)."""
+    returns the manifest. Two passes over the file (and one more per window of candidates `fit` is asked
+    about: one when most fit); between them only per-row pair IDs, 16-byte prompt key digests and selection
+    ranks are held. The same bytes as write_parquet(freeze_probe(...)): normalize writes pairs sorted by
+    pair_id, so train is the input filtered in place (an input in another order is split through
+    freeze_probe() in memory)."""
     import numpy as np
 
     where = pairs_path
@@ -205,7 +307,7 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
         raise bad_prompt
     seen.clear()
     if not in_order:  # not normalize's order: the in-memory split sorts it (inputs a person made)
-        split = freeze_probe(read_parquet(pairs_path), size=size, seed=seed, where=where)
+        split = freeze_probe(read_parquet(pairs_path), size=size, seed=seed, where=where, fit=fit)
         write_parquet(train_path, split.train)
         write_parquet(probe_path, split.probe)
         return split.manifest
@@ -219,15 +321,11 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
                          f"{size} distinct prompts (lower probe.size or add data)")
     # Ranks are sha256 hex digests: their bytes sort as the hex strings do; pair IDs are unique here.
     ranks = np.array([hashlib.sha256(f"{seed}:{pid}".encode()).digest() for pid in pair_ids], dtype="S32")
-    probe_rows: list[int] = []
-    probe_keys: set[bytes] = set()
-    for i in np.argsort(ranks, kind="stable"):
-        k = key_array[i]
-        if k not in probe_keys:
-            probe_rows.append(int(i))
-            probe_keys.add(k)
-            if len(probe_rows) == size:
-                break
+    fit_reasons = None if fit is None else (lambda rows: fit.reasons(_rows_at(pairs_path, pf, rows, chunk_rows)))
+    probe_rows, skipped = select_probe((int(i) for i in np.argsort(ranks, kind="stable")), key_array, size,
+                                       fit_reasons)
+    _check_filled(probe_rows, skipped, n_prompts, size, fit, where)
+    probe_keys = {key_array[i] for i in probe_rows}
     del ranks
     probe_pos = {row: k for k, row in enumerate(probe_rows)}
     train_mask = ~np.isin(key_array, np.array(sorted(probe_keys), dtype="S16"))
@@ -250,7 +348,8 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
     order = sorted(range(len(positions)), key=positions.__getitem__)
     write_parquet(probe_path, probe.take(pa.array(order, pa.int64())).combine_chunks())
 
-    return probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, int(train_mask.sum()))
+    return probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, int(train_mask.sum()),
+                          None if fit is None else fit.record(skipped))
 
 
 # ==================================================================================================
@@ -258,8 +357,17 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
 # ==================================================================================================
 
 
+def load_fit(identity_path: str, tok_params: dict) -> ProbeFit:
+    """The fit of tokenize's own settings: the verified reference's tokenizer, params.yaml's `tokenize` limits
+    (checked against the reference's positions)."""
+    ref_dir = load_verified_dir(identity_path)
+    return ProbeFit(ref_dir, load_limits(tok_params, ref_dir), tokenizer_identity(ref_dir))
+
+
 def _arguments(ap) -> None:
     ap.add_argument("--pairs", required=True, help="normalize's pairs.parquet")
+    ap.add_argument("--identity", required=True,
+                    help="results/ref/ref_identity.json from verify_ref: the tokenizer the probe must fit under")
     ap.add_argument("--train", required=True, help="train.parquet to write")
     ap.add_argument("--probe", required=True, help="probe.parquet to write")
     ap.add_argument("--manifest", required=True, help="probe_manifest.json to write")
@@ -267,10 +375,15 @@ def _arguments(ap) -> None:
 
 def _run(args) -> int:
     log = logging.getLogger("freeze_probe")
-    cfg = load_params(args.params)["probe"]
+    params = load_params(args.params)
+    cfg = params["probe"]
+    fit = load_fit(args.identity, params["tokenize"])
     m = freeze_probe_file(args.pairs, size=cfg["size"], seed=cfg["seed"], train_path=args.train,
-                          probe_path=args.probe)
+                          probe_path=args.probe, fit=fit)
     write_json(args.manifest, m)  # last: its presence means the split is complete
+    if m["fit"]["skipped"]:
+        log.info("probe: %d pairs reached in rank order do not fit the tokenize limits %s and stay in train: %s",
+                 m["fit"]["skipped"], canonical_json(m["fit"]["limits"]), canonical_json(m["fit"]["skipped_by_reason"]))
     n = m["train_pairs"] + len(m["pair_ids"]) + len(m["excluded_from_train"])
     log.info("%d pairs in: probe %d (seed %d, digest %s), train %d, excluded from train %d (%s)",
              n, len(m["pair_ids"]), m["seed"], m["probe_digest"], m["train_pairs"],
@@ -280,8 +393,9 @@ def _run(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     return stage_main(argv, "freeze_probe", __doc__.split("\n")[0], add_arguments=_arguments, run=_run,
-                      input_errors=(ProbeError, ParamsError))
+                      input_errors=(ProbeError, ParamsError, TokenizeError, RefIdentityError))
 
 
 if __name__ == "__main__":
+    tokenizers_only_process()   # the stage loads a tokenizer, never a model
     sys.exit(main())

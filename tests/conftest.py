@@ -34,3 +34,31 @@ def gpt2_tokenizer_dir() -> Path:
     if not (GPT2_TOKENIZER / "tokenizer.json").exists():
         pytest.skip(f"real GPT-2 tokenizer not present at {GPT2_TOKENIZER}")
     return GPT2_TOKENIZER
+
+
+# The data side's real components (tests/data_helpers.py holds the helpers these use).
+EMBEDDED_REF = REPO_ROOT / "models" / "tiny-qwen2"
+
+
+@pytest.fixture
+def hh_pairs(hh_rlhf_path) -> list[dict]:
+    """The real HH-RLHF file's pairs, parsed simply (tests/data_helpers.py load_hh_pairs)."""
+    from data_helpers import load_hh_pairs
+
+    return load_hh_pairs(hh_rlhf_path)
+
+
+@pytest.fixture
+def gpt2(gpt2_tokenizer_dir):
+    """The real GPT-2 tokenizer (plain rendering: no chat template), loaded once per session."""
+    from data_helpers import load_tokenizer_once
+
+    return load_tokenizer_once(gpt2_tokenizer_dir)
+
+
+@pytest.fixture
+def embedded():
+    """The default reference's tokenizer (751 tokens, a ChatML template), always in the checkout."""
+    from data_helpers import load_tokenizer_once
+
+    return load_tokenizer_once(EMBEDDED_REF)

@@ -130,6 +130,10 @@ def test_a_failed_mode_is_recorded_as_oom_or_failed(tmp_path):
 def test_modes_expand_and_the_lora_mode_needs_the_adapter_param():
     assert gpu_bench.expand_modes("ours,trl_peft,ours_rm") == ["ours_dpo", "ours_rm", "trl_dpo_peft", "trl_rm_peft"]
     assert gpu_bench.expand_modes("ours_lora, trl_dpo") == ["ours_lora_dpo", "ours_lora_rm", "trl_dpo"]
+    assert gpu_bench.expand_modes("ours_8bit,ours_sr_rm,ours_fused") == ["ours_8bit_dpo", "ours_8bit_rm", "ours_sr_rm",
+                                                                     "ours_fused_dpo", "ours_fused_rm"]
+    assert [gpu_bench.family_of(m) for m in ("ours_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_lora_rm", "trl_rm")] == [
+        "ours", "ours_8bit", "ours_sr", "ours_lora", None]
     with pytest.raises(SystemExit, match="unknown mode 'lora'"):
         gpu_bench.expand_modes("ours,lora")
     import copy
@@ -174,6 +178,31 @@ def test_lora_reward_model_mode_runs_on_cpu(tmp_path):
     # a later invocation reuses the model the first one wrote
     model_dir, facts = gpu_bench.make_model("tiny", SHARED_DATA / "tokenizers" / "gpt2", cache)
     assert facts["cached"] is True and str(model_dir) == result["model"]["dir"]
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")
+def test_optimizer_state_modes_run_side_by_side_on_cpu_and_merge(tmp_path):
+    """`--modes ours_rm,ours_8bit_rm,ours_sr_rm` on the tiny shape: each optimizer state's row (its state, the
+    memory plan's peak, the probe accuracy and final loss), the accuracy comparison against exact, the expected
+    durations; a second invocation's JSON merges into one side-by-side table."""
+    cache, shared = tmp_path / "models", str(SHARED_DATA.parent)
+    common = ["--shared", shared, "--shape", "tiny", "--pairs", "16", "--probe-pairs", "4", "--max-length", "128",
+              "--model-cache", str(cache), "--work", str(tmp_path / "work")]
+    a, b = tmp_path / "a" / "r.json", tmp_path / "b" / "r.json"
+    gpu_bench.main([*common, "--out", str(a), "--modes", "ours_rm,ours_8bit_rm"])
+    gpu_bench.main([*common, "--out", str(b), "--modes", "ours_sr_rm,ours_fused_rm"])
+    result = json.loads(a.read_text())
+    assert set(result["expected_seconds"]) == {"ours_rm", "ours_8bit_rm"}
+    rows = {r["mode"]: r for r in result["table"]}
+    assert rows["ours_rm"]["optimizer_state"] == "exact" and rows["ours_8bit_rm"]["optimizer_state"] == "fp32_master_8bit"
+    for r in rows.values():
+        assert r["status"] == "ok" and r["planned_peak_gib"] > 0 and 0 <= r["probe_accuracy"] <= 1
+    assert result["accuracy_vs_exact"]["ours_8bit_rm"]["exact_probe_accuracy"] == rows["ours_rm"]["probe_accuracy"]
+    gpu_bench.main(["--merge", str(a), str(b), "--out", str(tmp_path / "merged.json")])
+    merged = json.loads((tmp_path / "merged.json").read_text())
+    assert [r["mode"] for r in merged["table"]] == ["ours_rm", "ours_8bit_rm", "ours_sr_rm", "ours_fused_rm"]
+    assert set(merged["accuracy_vs_exact"]) == {"ours_8bit_rm", "ours_sr_rm", "ours_fused_rm"}
+    assert {r["mode"]: r["fused_backward"] for r in merged["table"]}["ours_fused_rm"] is True
 
 
 def test_pipeline_bench_summary_splits_a_training_rule_into_start_up_loop_after_loop_and_outside():

@@ -14,6 +14,7 @@ import pyarrow as pa
 import pytest
 import yaml
 
+from data_helpers import embedded_identity
 from stages.lib.cli import StageRefused, one_line, refuse, stage_main
 from stages.lib.io import write_parquet
 from stages.lib.params import ParamsError
@@ -46,7 +47,10 @@ def assert_refused(r: subprocess.CompletedProcess, stage: str, *needles: str, lo
 
 
 def freeze_probe_args(tmp_path: Path, params: Path, pairs: Path) -> list:
-    return ["--params", params, "--pairs", pairs, "--train", tmp_path / "o/train.parquet",
+    identity = tmp_path / "ref_identity.json"
+    if not identity.exists():
+        embedded_identity(tmp_path)
+    return ["--params", params, "--pairs", pairs, "--identity", identity, "--train", tmp_path / "o/train.parquet",
             "--probe", tmp_path / "o/probe.parquet", "--manifest", tmp_path / "o/probe_manifest.json",
             "--log", tmp_path / "freeze_probe.log"]
 

@@ -104,6 +104,15 @@ def test_code_deps_follow_imports_lazy_ones_too(tmp_path):
     assert code_deps("stages.lonely", "stages.a", root=tmp_path)[:2] == ["stages/lonely.py", "stages/a.py"]
     with pytest.raises(ValueError, match="no module"):
         code_deps("stages.nope", root=tmp_path)
+    # A package that finds its own modules (the format registry) depends on every module in it, listed nowhere.
+    (pkg / "plug").mkdir()
+    (pkg / "plug" / "__init__.py").write_text("import pkgutil\nNAMES = [m.name for m in pkgutil.iter_modules(__path__)]\n")
+    (pkg / "plug" / "one.py").write_text("from stages.lib import c\n")
+    (pkg / "plug" / "two.py").write_text("")
+    (pkg / "uses_plug.py").write_text("from stages.plug import NAMES\n")
+    assert code_deps("stages.uses_plug", root=tmp_path) == ["stages/uses_plug.py", "stages/lib/__init__.py",
+                                                             "stages/lib/c.py", "stages/plug/__init__.py",
+                                                             "stages/plug/one.py", "stages/plug/two.py"]
 
 
 # Imports that cross the layers (workflow -> stages -> engine/lib), to be removed, never added to:
@@ -111,32 +120,60 @@ def test_code_deps_follow_imports_lazy_ones_too(tmp_path):
 LAYERING_EXCEPTIONS = {("stages/make_tiny_ref.py", "stages.verify_ref")}
 
 
-def test_layers_lib_and_engine_never_import_a_stage_and_stages_import_no_other_stage():
+def _imported_names(path):
+    """Every module name (and `module.name` of a from-import) a Python file or a Snakemake rule file imports."""
     import ast
+    text = path.read_text()
+    if path.suffix == ".smk" or path.name == "Snakefile":   # only their Python import lines parse as Python
+        text = "\n".join(line for line in text.splitlines() if line.startswith(("import ", "from ")))
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            yield from [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        elif isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+
+
+def test_layers_lib_and_engine_never_import_a_stage_and_stages_import_no_other_stage():
+    """workflow -> stages -> data / engine -> lib: stages/data imports stages.lib only (never a stage, never the
+    engine), the engine never imports the data package (the two meet only through lib's contracts), lib imports
+    neither."""
     stage_modules = {f"stages.{p.stem}" for p in (REPO_ROOT / "stages").glob("*.py") if p.stem != "__init__"}
     bad = []
     for path in sorted((REPO_ROOT / "stages").rglob("*.py")):
         rel = path.relative_to(REPO_ROOT).as_posix()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-                     if isinstance(node, ast.ImportFrom) and node.module else
-                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            for name in names:
-                if name in stage_modules and name != f"stages.{path.stem}" and (rel, name) not in LAYERING_EXCEPTIONS:
-                    bad.append(f"{rel} imports {name}")
-                if rel.startswith("stages/lib/") and name.startswith("stages.engine"):   # lib is below the engine
-                    bad.append(f"{rel} imports {name}")
+        for name in _imported_names(path):
+            if name in stage_modules and name != f"stages.{path.stem}" and (rel, name) not in LAYERING_EXCEPTIONS:
+                bad.append(f"{rel} imports {name}")
+            if rel.startswith("stages/lib/") and name.startswith(("stages.engine", "stages.data")):   # lib is below
+                bad.append(f"{rel} imports {name}")
+            if rel.startswith("stages/data/") and name.startswith("stages.") and not name.startswith(
+                    ("stages.lib", "stages.data")):
+                bad.append(f"{rel} imports {name}")
+            if rel.startswith("stages/engine/") and name.startswith("stages.data"):
+                bad.append(f"{rel} imports {name}")
     # The console command (prefpipe/) sits above stages/ and workflow/; nothing below imports it, and stages/ never
     # imports workflow/'s modules (the Snakefile puts workflow/ on sys.path; a stage must not depend on that).
     workflow_modules = {p.stem for p in (REPO_ROOT / "workflow").glob("*.py")}
     for path in sorted([*(REPO_ROOT / "stages").rglob("*.py"), *(REPO_ROOT / "workflow").rglob("*.py")]):
         rel = path.relative_to(REPO_ROOT).as_posix()
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = ([node.module] if isinstance(node, ast.ImportFrom) and node.module else
-                     [a.name for a in node.names] if isinstance(node, ast.Import) else [])
-            for name in names:
-                if name.split(".")[0] == "prefpipe" or (rel.startswith("stages/") and name in workflow_modules):
-                    bad.append(f"{rel} imports {name}")
+        for name in _imported_names(path):
+            if name.split(".")[0] == "prefpipe" or (rel.startswith("stages/") and name in workflow_modules):
+                bad.append(f"{rel} imports {name}")
+    assert not bad, bad
+
+
+def test_the_workflow_uses_only_public_names_of_the_data_package_and_no_stage_internals():
+    """The Snakefile's rules and pre-flight read sources through stages.data's public functions, never a stage
+    module's (a stage is a CLI; what the DAG needs of it lives below it) nor an underscored name."""
+    bad = []
+    for path in sorted([*(REPO_ROOT / "workflow").rglob("*.py"), *(REPO_ROOT / "workflow").rglob("*.smk"),
+                        REPO_ROOT / "Snakefile"]):
+        for name in _imported_names(path):
+            last = name.rsplit(".", 1)[-1]
+            if name.startswith("stages.") and not name.startswith(("stages.lib", "stages.data")):
+                bad.append(f"{path.relative_to(REPO_ROOT)} imports {name}")
+            elif name.startswith("stages.data") and last.startswith("_"):
+                bad.append(f"{path.relative_to(REPO_ROOT)} imports the private {name}")
     assert not bad, bad
 
 

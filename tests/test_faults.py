@@ -70,16 +70,46 @@ def test_flipped_bits_in_outputs_are_rebuilt_not_recorded(workspace):
     assert_is_the_record(repo)
 
 
-def _newest(pattern: str) -> int | None:
-    found = subprocess.run(["pgrep", "-n", "-f", pattern], capture_output=True, text=True).stdout.split()
-    return int(found[0]) if found else None
+def _descendants(root: int) -> list[int]:
+    """The PIDs below `root` in the process tree (from /proc), oldest first: other tests' processes, which a
+    pgrep over the machine would also find (pytest-xdist runs two files at once), are never touched."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in sorted(children.get(todo.pop(), [])):
+            out.append(child)
+            todo.append(child)
+    return sorted(out)
+
+
+def _newest(proc: subprocess.Popen, pattern: str) -> int | None:
+    """The newest process under `proc` whose command line matches the regular expression `pattern`."""
+    import re
+    found = None
+    for pid in _descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if re.search(pattern, cmdline):
+            found = pid
+    return found
 
 
 def _wait_for(proc: subprocess.Popen, pattern: str, timeout: float = 300) -> int:
-    """The PID of the newest process whose command line matches `pattern`, once there is one."""
+    """The PID of the newest process under `proc` whose command line matches `pattern`, once there is one."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout:
-        pid = _newest(pattern)
+        pid = _newest(proc, pattern)
         if pid is not None:
             return pid
         if proc.poll() is not None:
@@ -94,7 +124,7 @@ def _kill_when_running(proc: subprocess.Popen, pattern: str, after: float) -> No
     pid = _wait_for(proc, pattern)
     time.sleep(after)
     try:
-        os.kill(_newest(pattern) or pid, signal.SIGKILL)
+        os.kill(_newest(proc, pattern) or pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
 

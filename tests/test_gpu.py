@@ -51,10 +51,20 @@ def test_shared_prompt_logps_match_unshared_on_gpu_in_bf16(tmp_path):
     torch.testing.assert_close(outs[1], outs[0], rtol=0, atol=0.05 * float(outs[0].abs().mean()))
 
 
-@pytest.mark.parametrize("objective,precision", [("dpo", "bf16"), ("dpo", "autocast"), ("rm", "bf16")])
-def test_cuda_graph_training_matches_eager_training(assets, objective, precision):
+GRAPH_CASES = [("dpo", "bf16", {}), ("dpo", "autocast", {}), ("rm", "bf16", {}),
+               ("dpo", "bf16", {"optimizer": {"state": "fp32_master_8bit"}}),
+               ("rm", "autocast", {"optimizer": {"state": "fp32_master_8bit"}}),
+               ("dpo", "bf16", {"optimizer": {"state": "bf16_sr_8bit"}}),
+               ("rm", "bf16", {"optimizer": {"state": "bf16_sr_8bit"}, "activation_checkpointing": 1}),
+               ("dpo", "bf16", {"activation_checkpointing": True})]
+
+
+@pytest.mark.parametrize("objective,precision,extra", GRAPH_CASES)
+def test_cuda_graph_training_matches_eager_training(assets, objective, precision, extra):
     """The whole stage with train.cuda_graphs on (padded shapes, captured forward/backward and optimizer step,
-    several micro-batches per step) against the same run eager: same losses, gradient norms and probe results."""
+    several micro-batches per step) against the same run eager: same losses, gradient norms and probe results.
+    In each train.optimizer.state (graphed: the flat Triton kernels; eager: LowBitAdamW's torch ops) and with
+    activation checkpointing captured in the graphs."""
     import json
     import numpy as np
     import pandas as pd
@@ -65,7 +75,7 @@ def test_cuda_graph_training_matches_eager_training(assets, objective, precision
     runs = {}
     for graphs in (0, 8):
         params = write_params(tmp_path / f"p{graphs}.yaml", train={"gpus": 1, "precision": precision,
-                                                                    "cuda_graphs": graphs})
+                                                                    "cuda_graphs": graphs, **extra})
         out = tmp_path / f"run{graphs}"
         if objective == "dpo":
             if not (tmp_path / "ref.parquet").exists():
@@ -79,7 +89,9 @@ def test_cuda_graph_training_matches_eager_training(assets, objective, precision
     assert eager_info["cuda_graphs"]["enabled"] is False
     info = graph_info["cuda_graphs"]
     assert info["enabled"] and info["replays"] > 0 and info["shapes_captured"] >= 1, info
-    assert info["optimizer"]["kind"] == ("flat_triton_adamw" if precision == "bf16" else "torch_fused_adamw")
+    lowbit = (extra.get("optimizer") or {}).get("state", "exact") != "exact"
+    assert info["optimizer"]["kind"] == ("flat_triton_adamw_8bit" if lowbit else
+                                         "flat_triton_adamw" if precision == "bf16" else "torch_fused_adamw")
     assert graph_log.pairs.tolist() == eager_log.pairs.tolist() and graph_log.tokens.tolist() == eager_log.tokens.tolist()
     np.testing.assert_allclose(graph_log.loss[0], eager_log.loss[0], rtol=2e-3)
     np.testing.assert_allclose(graph_log.grad_norm[0], eager_log.grad_norm[0], rtol=2e-2)
@@ -185,6 +197,51 @@ def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
     check_flat_adamw("cuda")
 
 
+def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():
+    """The low-bit modes' flat Triton kernel against LowBitAdamW's torch ops on CUDA (the interpreter check of
+    tests/test_kernels.py, on the GPU's own rounding: FMA contraction, round-to-nearest bf16)."""
+    from triton_interpret_checks import check_flat_lowbit
+    check_flat_lowbit("cuda")
+
+
+@pytest.mark.parametrize("state", ["fp32_master_8bit", "bf16_sr_8bit"])
+def test_lowbit_codec_and_hash_are_bitwise_the_cpu_ones_on_gpu(state):
+    """One flat step from zero state on the GPU: the codes and scales it writes for m and sqrt(v) decode to what
+    the CPU codec gives for the same fp32 moments (the integer encoding is the same), and the stochastic rounding
+    uses the CPU hash's bits (the bf16 weights equal the CPU's but where the fp32 update differs by an ulp)."""
+    from stages.engine.flat_adamw import FlatLowBitAdamW
+    from stages.engine.lowbit_adamw import LowBitAdamW
+    from stages.engine.steps import graphed_optimizer_step
+    from engine_helpers import train_settings
+    torch.manual_seed(0)
+    settings = train_settings(max_grad_norm=0.0, precision="bf16", optimizer={"state": state})
+    w0 = torch.randn(1000, 70)
+    g = torch.randn(1000, 70) * torch.exp(torch.randn(1000, 1) * 3)
+    out = {}
+    for device in ("cpu", "cuda", "cuda_eager"):       # cuda: the flat kernel; cuda_eager: one tensor's launch
+        dev = device.split("_")[0]
+        p = torch.nn.Parameter(w0.to(dev, torch.bfloat16))
+        masters = {id(p): w0.to(dev)} if state == "fp32_master_8bit" else None
+        opt = LowBitAdamW([{"params": [p], "weight_decay": 0.0}], state, seed=9, masters=masters, lr=1e-3,
+                          betas=(0.9, 0.999))
+        p.grad = g.to(dev, torch.bfloat16)
+        if device != "cuda":
+            opt.step()
+        else:
+            lrs = [torch.full((), 1e-3, device="cuda")]
+            sums, row = torch.zeros(1, dtype=torch.float64, device="cuda"), torch.zeros(2, dtype=torch.float64, device="cuda")
+            graphed_optimizer_step(opt, p, settings, lrs, sums, row, FlatLowBitAdamW(opt, 0.0))
+        out[device] = ({k: v.cpu() for k, v in opt.state_dict()["state"][0].items()}, p.detach().cpu())
+    sc, pc = out["cpu"]
+    for gpu in ("cuda", "cuda_eager"):
+        sg, pg = out[gpu]
+        for key in ("m_codes", "s_codes"):
+            assert float((sc[key] != sg[key]).double().mean()) < 1e-3, key      # fp32 rounding at a code boundary
+        for key in ("m_scale", "s_scale"):
+            torch.testing.assert_close(sc[key], sg[key], rtol=1e-6, atol=0)
+        assert float((pc != pg).double().mean()) < 1e-3
+
+
 @pytest.mark.parametrize("stage", ["train_dpo", "train_rm"])
 def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     """Checkpoint every 2 steps with the graphed step, resume from step 4 (its first step eager, the rest
@@ -216,3 +273,35 @@ def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     pa, pb = read_jsonl(tmp_path / "full/probe_final.jsonl"), read_jsonl(tmp_path / "resumed/probe_final.jsonl")
     np.testing.assert_allclose([r["margin"] for r in pb], [r["margin"] for r in pa], rtol=0.1,
                                atol=0.05 * float(np.abs([r["margin"] for r in pa]).mean()))
+
+
+@pytest.mark.parametrize("state", ["exact", "fp32_master_8bit", "bf16_sr_8bit"])
+def test_memory_plan_bounds_the_measured_peak_on_gpu(tmp_path, state):
+    """A 0.2B-parameter model (hidden 1024, 8 layers, vocab 32,000), full fine-tune in each optimizer state, graphed:
+    the stage's measured peak (torch.cuda.max_memory_allocated) is below the plan's total and above its static parts
+    (weights, gradients, masters, moments), and within the plan minus its fixed 1 GiB margin plus 25%."""
+    import json
+    from stages import train_rm
+    from test_train import write_params
+    from engine_helpers import toy_task_rows
+    model_dir = tmp_path / "m"
+    from transformers import AutoModelForCausalLM, Qwen2Config
+    cfg = Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                      num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False, bos_token_id=1,
+                      eos_token_id=2, max_position_embeddings=512)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(model_dir)
+    write_token_parquet(tmp_path / "train.parquet", toy_task_rows(256, seed=1, vocab=32000))
+    write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(16, seed=2, vocab=32000, prefix="q"))
+    params = write_params(tmp_path / "p.yaml", train={"gpus": 1, "precision": "bf16", "epochs": 1,
+                                                      "micro_batch_tokens": 4096, "global_batch_pairs": 64,
+                                                      "optimizer": {"state": state}})
+    info = train_rm.main(["--params", str(params), "--model-dir", str(model_dir), "--train-tokens",
+                          str(tmp_path / "train.parquet"), "--probe-tokens", str(tmp_path / "probe.parquet"),
+                          "--out-dir", str(tmp_path / "out"), "--log", str(tmp_path / "log"),
+                          "--perf", str(tmp_path / "perf.json")])
+    plan = info["memory_plan"]
+    peak = max(json.loads((tmp_path / "perf.json").read_text())["peak_memory_bytes_per_rank"])
+    static = plan["weights"] + plan["grads"] + plan["masters"] + plan["moments"]
+    assert static < peak < plan["total"], (static, peak, plan)
+    assert peak < 1.25 * (plan["total"] - 2 ** 30), (peak, plan)

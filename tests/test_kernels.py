@@ -43,6 +43,14 @@ def test_flat_adamw_equals_the_eager_master_weight_step_under_the_interpreter():
 
 
 @needs_triton
+def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_under_the_interpreter():
+    """stages/engine/flat_adamw.py's FlatLowBitAdamW (kernels._adamw8_kernel: 8-bit moments, stochastic rounding
+    by the counter hash) against LowBitAdamW's torch-ops step, in each low-bit mode, and its state_dict continuing
+    as LowBitAdamW's (bounds in triton_interpret_checks.check_flat_lowbit)."""
+    assert "flat lowbit ok" in interpret("flat_lowbit")
+
+
+@needs_triton
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_routed_model_matches_hf_code_path(tmp_path, arch):
     """The whole packed model with rotary and SiLU-mul through the (interpreted) kernels equals this process's

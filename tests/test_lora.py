@@ -377,7 +377,8 @@ def default_pipeline_inputs(root: Path) -> dict[str, Path]:
     normalize.main(p + ["--pairs", str(r["pairs.parquet"]), "--rejections", str(root / "rej.parquet"),
                         "--stats", str(root / "stats.json"), "--log", str(root / "normalize.log")])
     verify_ref.main(["verify"] + p + ["--identity", str(r["ref_identity.json"]), "--log", str(root / "v.log")])
-    freeze_probe.main(p + ["--pairs", str(r["pairs.parquet"]), "--train", str(r["train.parquet"]),
+    freeze_probe.main(p + ["--pairs", str(r["pairs.parquet"]), "--identity", str(r["ref_identity.json"]),
+                           "--train", str(r["train.parquet"]),
                            "--probe", str(r["probe.parquet"]), "--manifest", str(r["manifest.json"]),
                            "--log", str(root / "f.log")])
     tokenize.main(p + ["--identity", str(r["ref_identity.json"]), "--train", str(r["train.parquet"]),

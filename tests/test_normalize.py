@@ -1,4 +1,6 @@
-"""stages.normalize: every format, every rejection reason, readers, real HH-RLHF, determinism, CLI."""
+"""stages.normalize: readers, provenance, duplicates, accounting, real HH-RLHF, globs and shards, the streaming
+writer, the CLI. Each format's rows: tests/test_format_<name>.py; the registry and the shared rules:
+tests/test_formats.py."""
 from __future__ import annotations
 
 import gzip
@@ -16,27 +18,16 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-from stages.normalize import (REASONS, RowRejected, SourceError, default_source_name, main, normalize_row,
-                              normalize_sources, read_source_rows, resolve_sources, source_paths,
-                              split_implicit_strings)
+from data_helpers import A, U
+from stages.data.formats import parse_row
+from stages.data.sources import SourceError, default_source_name, iter_source_rows, resolve_sources, source_paths
+from stages.normalize import REASONS, main, normalize_sources
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def U(c):
-    return {"role": "user", "content": c}
-
-
-def A(c):
-    return {"role": "assistant", "content": c}
-
-
-def S(c):
-    return {"role": "system", "content": c}
-
-
-def triple(pair):
-    return pair.prompt, pair.chosen, pair.rejected
+HH_ROW = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Paris.",
+          "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Lyon."}
 
 
 def write_jsonl(path: Path, rows, gz=False):
@@ -46,219 +37,6 @@ def write_jsonl(path: Path, rows, gz=False):
     else:
         path.write_text(text, encoding="utf-8")
     return path
-
-
-# ----------------------------------------------------------------------------------------------
-# Accepted rows, one or more per format
-
-HH_ROW = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Paris.",
-          "rejected": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Lyon."}
-HH_PROMPT = [U("Hi"), A("Hello!"), U("Capital of France?")]
-
-
-def test_hh_splits_at_last_shared_assistant_marker():
-    assert triple(normalize_row(HH_ROW, "hh")) == (HH_PROMPT, [A("Paris.")], [A("Lyon.")])
-
-
-def test_hh_shared_text_after_the_marker_stays_in_the_completion():
-    # Both completions start with "I think": the split is still at the marker, not the divergence.
-    row = {"chosen": "\n\nHuman: Q?\n\nAssistant: I think yes.", "rejected": "\n\nHuman: Q?\n\nAssistant: I think no."}
-    assert triple(normalize_row(row, "hh")) == ([U("Q?")], [A("I think yes.")], [A("I think no.")])
-
-
-def test_hh_only_one_leading_space_is_dropped():
-    row = {"chosen": "\n\nHuman: Q\n\nAssistant:  two spaces", "rejected": "\n\nHuman: Q\n\nAssistant: one"}
-    assert triple(normalize_row(row, "hh"))[1:] == ([A(" two spaces")], [A("one")])
-
-
-def test_trl_standard_explicit_prompt():
-    row = {"prompt": "The sky is", "chosen": " blue.", "rejected": " green."}
-    assert triple(normalize_row(row, "trl")) == ([U("The sky is")], [A(" blue.")], [A(" green.")])
-
-
-def test_trl_standard_implicit_prompt_follows_extract_prompt():
-    row = {"chosen": "The sky is blue.", "rejected": "The sky is green."}
-    assert triple(normalize_row(row, "trl")) == ([U("The sky is")], [A(" blue.")], [A(" green.")])
-    # divergence not after a space: no back-off
-    assert split_implicit_strings("abcX", "abcY") == ("abc", "X", "Y")
-
-
-def test_common_prefix_len_matches_a_plain_scan():
-    import random
-    from stages.normalize import _common_prefix_len
-    rng = random.Random(0)
-    for _ in range(500):
-        a = "".join(rng.choice("ab") for _ in range(rng.randint(0, 9)))
-        b = "".join(rng.choice("ab") for _ in range(rng.randint(0, 9)))
-        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        assert _common_prefix_len(a, b) == n == _common_prefix_len(list(a), list(b))
-
-
-def test_trl_conversational_explicit_and_implicit():
-    prompt = [S("Be brief."), U("Sky colour?")]
-    explicit = {"prompt": prompt, "chosen": [A("Blue.")], "rejected": [A("Green.")]}
-    implicit = {"chosen": prompt + [A("Blue.")], "rejected": prompt + [A("Green.")]}
-    want = (prompt, [A("Blue.")], [A("Green.")])
-    assert triple(normalize_row(explicit, "trl")) == want
-    assert triple(normalize_row(implicit, "trl")) == want
-    # same content -> same pair id, whatever the spelling
-    assert normalize_row(explicit, "trl").content_hash == normalize_row(implicit, "trl").content_hash
-
-
-def test_sharegpt_object_string_and_system():
-    row = {"system": "Be nice.",
-           "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hey"},
-                             {"from": "user", "value": "2+2?"}],
-           "chosen": {"from": "gpt", "value": "4"}, "rejected": "5"}
-    assert triple(normalize_row(row, "sharegpt")) == ([S("Be nice."), U("Hi"), A("Hey"), U("2+2?")], [A("4")], [A("5")])
-
-
-def test_openai_preference_row():
-    row = {"input": {"messages": [U("Hello")], "tools": [], "parallel_tool_calls": True},
-           "preferred_output": [A("Hi there!")], "non_preferred_output": [A("Go away.")]}
-    assert triple(normalize_row(row, "openai")) == ([U("Hello")], [A("Hi there!")], [A("Go away.")])
-
-
-def test_columns_mapping_with_system_margin_and_implicit_prompt():
-    cols = {"prompt": "q", "chosen": "good", "rejected": "bad", "system": "sys", "margin": "m"}
-    row = {"q": "2+2?", "good": "4", "bad": "5", "sys": "Answer tersely.", "m": 3, "extra": 1}
-    pair = normalize_row(row, "columns", cols)
-    assert triple(pair) == ([S("Answer tersely."), U("2+2?")], [A("4")], [A("5")])
-    assert pair.margin == 3.0
-    row2 = {"q": [U("2+2?")], "good": [A("4")], "bad": "5", "sys": "", "m": None}
-    pair2 = normalize_row(row2, "columns", cols)
-    assert triple(pair2) == ([U("2+2?")], [A("4")], [A("5")]) and pair2.margin is None
-    implicit = normalize_row({"a": "Q: x? A: yes", "b": "Q: x? A: no"}, "columns", {"chosen": "a", "rejected": "b"})
-    assert triple(implicit) == ([U("Q: x? A:")], [A(" yes")], [A(" no")])
-
-
-@pytest.mark.parametrize("row, fmt", [
-    (HH_ROW, "hh"),
-    ({"chosen": "The sky is blue.", "rejected": "The sky is green."}, "trl"),
-    ({"prompt": "p", "chosen": "a", "rejected": "b", "x": HH_ROW["chosen"]}, "trl"),
-    ({"prompt": "Q", "chosen": HH_ROW["chosen"], "rejected": HH_ROW["rejected"]}, "trl"),  # explicit prompt: not hh
-    ({"conversations": [{"from": "human", "value": "Hi"}], "chosen": "a", "rejected": "b"}, "sharegpt"),
-    ({"input": {"messages": [U("Hi")]}, "preferred_output": [A("a")], "non_preferred_output": [A("b")]}, "openai"),
-])
-def test_auto_detects_the_format_from_keys(row, fmt):
-    pair = normalize_row(row, "auto")
-    assert pair.fmt == fmt
-    assert triple(pair) == triple(normalize_row(row, fmt))
-
-
-# ----------------------------------------------------------------------------------------------
-# Rejected rows: each with its exact reason code
-
-CONV = [U("Q?")]
-BAD_ROWS = [
-    # non-object rows, null, wrong types, missing keys
-    ("trl", None, "schema"),
-    ("trl", [1, 2], "schema"),
-    ("trl", "just a string", "schema"),
-    ("trl", 42, "schema"),
-    ("trl", {"prompt": "p", "chosen": "a"}, "schema"),
-    ("trl", {"prompt": "p", "chosen": 1, "rejected": "b"}, "schema"),
-    ("trl", {"prompt": None, "chosen": "a", "rejected": "b"}, "schema"),
-    ("trl", {"prompt": {"role": "user", "content": "Q"}, "chosen": "a", "rejected": "b"}, "schema"),
-    ("trl", {"chosen": "abc", "rejected": [A("x")]}, "schema"),
-    ("trl", {"prompt": CONV, "chosen": ["a"], "rejected": [A("b")]}, "schema"),
-    ("trl", {"prompt": CONV, "chosen": [None], "rejected": [A("b")]}, "schema"),
-    ("trl", {"prompt": [{"role": "user", "content": "Q", "name": "bob"}], "chosen": "a", "rejected": "b"}, "schema"),
-    ("hh", {"chosen": None, "rejected": "x"}, "schema"),
-    ("hh", {"chosen": ["\n\nHuman: a"], "rejected": "x"}, "schema"),
-    ("sharegpt", {"conversations": "hi", "chosen": "a", "rejected": "b"}, "schema"),
-    ("sharegpt", {"conversations": [{"from": "human", "value": "Q"}], "chosen": 7, "rejected": "b"}, "schema"),
-    ("openai", {"input": [U("Q")], "preferred_output": [A("a")], "non_preferred_output": [A("b")]}, "schema"),
-    ("openai", {"input": {"messages": CONV}, "preferred_output": A("a"), "non_preferred_output": [A("b")]}, "schema"),
-    ("auto", {"question": "Q", "answer": "A"}, "schema"),
-    ("auto", {}, "schema"),
-    # roles
-    ("trl", {"prompt": [{"content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [{"role": None, "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [{"role": 1, "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [{"role": "bot", "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [{"role": "tool", "content": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [U("Q"), S("late system")], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [U("Q"), U("Q again")], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [A("Hi"), U("Q")], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [U("Q"), A("partial")], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": [S("only system")], "chosen": "a", "rejected": "b"}, "role"),
-    ("trl", {"prompt": CONV, "chosen": [U("a")], "rejected": [A("b")]}, "role"),
-    ("trl", {"prompt": CONV, "chosen": [A("a"), A("more")], "rejected": [A("b")]}, "role"),
-    ("trl", {"chosen": [U("Q"), A("a")], "rejected": [U("Q"), U("b")]}, "role"),
-    ("hh", {"chosen": "Preamble\n\nHuman: Q\n\nAssistant: a", "rejected": "Preamble\n\nHuman: Q\n\nAssistant: b"}, "role"),
-    ("hh", {"chosen": "\n\nHuman: Q\n\nAssistant: a\n\nHuman: more", "rejected": "\n\nHuman: Q\n\nAssistant: b"}, "role"),
-    ("hh", {"chosen": "\n\nHuman: Q\n\nHuman: Q2\n\nAssistant: a", "rejected": "\n\nHuman: Q\n\nHuman: Q2\n\nAssistant: b"}, "role"),
-    ("sharegpt", {"conversations": [{"from": "robot", "value": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("sharegpt", {"conversations": [{"value": "Q"}], "chosen": "a", "rejected": "b"}, "role"),
-    ("sharegpt", {"conversations": [{"from": "human", "value": "Q"}], "chosen": {"from": "human", "value": "a"},
-                  "rejected": "b"}, "role"),
-    ("openai", {"input": {"messages": CONV}, "preferred_output": [U("a")], "non_preferred_output": [A("b")]}, "role"),
-    # content types
-    ("trl", {"prompt": [{"role": "user"}], "chosen": "a", "rejected": "b"}, "content_type"),
-    ("trl", {"prompt": [{"role": "user", "content": None}], "chosen": "a", "rejected": "b"}, "content_type"),
-    ("trl", {"prompt": [{"role": "user", "content": 5}], "chosen": "a", "rejected": "b"}, "content_type"),
-    ("trl", {"prompt": [{"role": "user", "content": [{"type": "text", "text": "Q"}]}], "chosen": "a",
-             "rejected": "b"}, "content_type"),
-    ("trl", {"prompt": CONV, "chosen": [{"role": "assistant", "content": {"t": 1}}], "rejected": "b"}, "content_type"),
-    ("trl", {"prompt": "Q", "chosen": "a\ud800", "rejected": "b"}, "content_type"),
-    ("sharegpt", {"conversations": [{"from": "human", "value": 3}], "chosen": "a", "rejected": "b"}, "content_type"),
-    ("columns", {"q": "Q", "c": "a", "r": "b", "s": 1}, "content_type"),
-    # empty prompt / completion
-    ("trl", {"prompt": [], "chosen": "a", "rejected": "b"}, "empty_prompt"),
-    ("trl", {"prompt": "   ", "chosen": "a", "rejected": "b"}, "empty_prompt"),
-    ("trl", {"prompt": [U(""), A("x"), U("Q")], "chosen": "a", "rejected": "b"}, "empty_prompt"),
-    ("trl", {"prompt": [S(" "), U("Q")], "chosen": "a", "rejected": "b"}, "empty_prompt"),
-    ("hh", {"chosen": "\n\nAssistant: a", "rejected": "\n\nAssistant: b"}, "empty_prompt"),
-    ("trl", {"prompt": "Q", "chosen": "", "rejected": "b"}, "empty_completion"),
-    ("trl", {"prompt": "Q", "chosen": "a", "rejected": " \n"}, "empty_completion"),
-    ("trl", {"prompt": CONV, "chosen": [], "rejected": [A("b")]}, "empty_completion"),
-    ("trl", {"chosen": "Same start", "rejected": "Same start and more"}, "empty_completion"),
-    ("hh", {"chosen": "\n\nHuman: Q\n\nAssistant: ", "rejected": "\n\nHuman: Q\n\nAssistant: b"}, "empty_completion"),
-    ("openai", {"input": {"messages": CONV}, "preferred_output": [], "non_preferred_output": [A("b")]}, "empty_completion"),
-    # chosen == rejected
-    ("trl", {"prompt": "Q", "chosen": "same", "rejected": "same"}, "identical_pair"),
-    ("trl", {"prompt": "Q", "chosen": "same", "rejected": "same  "}, "identical_pair"),
-    ("trl", {"chosen": "Q? yes", "rejected": "Q? yes"}, "identical_pair"),
-    ("trl", {"chosen": [U("Q"), A("a")], "rejected": [U("Q"), A("a")]}, "identical_pair"),
-    ("hh", {"chosen": HH_ROW["chosen"], "rejected": HH_ROW["chosen"]}, "identical_pair"),
-    ("sharegpt", {"conversations": [{"from": "human", "value": "Q"}], "chosen": "a", "rejected": {"from": "gpt",
-                                                                                               "value": "a"}}, "identical_pair"),
-    # no shared prompt
-    ("hh", {"chosen": "\n\nHuman: Q1\n\nAssistant: a", "rejected": "\n\nHuman: Q2\n\nAssistant: b"}, "no_shared_prompt"),
-    ("hh", {"chosen": "no markers a", "rejected": "no markers b"}, "no_shared_prompt"),
-    ("trl", {"chosen": "apple", "rejected": "banana"}, "no_shared_prompt"),
-    ("trl", {"chosen": [U("Q1"), A("a")], "rejected": [U("Q2"), A("b")]}, "no_shared_prompt"),
-    # margin
-    ("columns", {"q": "Q", "c": "a", "r": "b", "m": "high"}, "margin"),
-    ("columns", {"q": "Q", "c": "a", "r": "b", "m": True}, "margin"),
-    ("columns", {"q": "Q", "c": "a", "r": "b", "m": float("nan")}, "margin"),
-    ("columns", {"q": "Q", "c": "a", "r": "b", "m": float("inf")}, "margin"),
-    ("columns", {"q": "Q", "c": "a", "m": 1.0}, "schema"),  # mapped column missing from the row
-]
-COLS = {"q": {"prompt": "q", "chosen": "c", "rejected": "r", "system": "s"},
-        "m": {"prompt": "q", "chosen": "c", "rejected": "r", "margin": "m"}}
-
-
-@pytest.mark.parametrize("fmt, row, reason", BAD_ROWS, ids=[f"{i}-{r}" for i, (_, _, r) in enumerate(BAD_ROWS)])
-def test_bad_row_is_rejected_with_exact_reason(fmt, row, reason):
-    cols = None
-    if fmt == "columns":
-        cols = COLS["m"] if "m" in row else COLS["q"]
-    with pytest.raises(RowRejected) as e:
-        normalize_row(row, fmt, cols)
-    assert e.value.reason == reason, e.value.detail
-    assert e.value.detail
-
-
-def test_every_reason_code_is_exercised():
-    covered = {r for _, _, r in BAD_ROWS} | {"json", "duplicate", "contradicts"}  # file-level tests below
-    assert covered == set(REASONS)
-
-
-def test_unknown_reason_code_cannot_be_raised():
-    with pytest.raises(ValueError):
-        RowRejected("oops", "not a code")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,7 +136,7 @@ def test_unreadable_file_fails_naming_the_file(tmp_path, name, content, match):
     elif isinstance(content, bytes):
         (tmp_path / name).write_bytes(content)
     with pytest.raises(SourceError, match=match) as e:
-        read_source_rows(tmp_path / name)
+        list(iter_source_rows(tmp_path / name))
     assert name in str(e.value)
 
 
@@ -371,7 +149,7 @@ def test_source_spec_errors(tmp_path):
 
 
 def test_pair_id_is_the_content_hash_prefix():
-    pair = normalize_row({"prompt": "Q", "chosen": "a", "rejected": "b"}, "trl")
+    pair = parse_row({"prompt": "Q", "chosen": "a", "rejected": "b"}, "trl")
     blob = json.dumps({"prompt": [U("Q")], "chosen": [A("a")], "rejected": [A("b")]},
                       sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     assert pair.content_hash == hashlib.sha256(blob.encode()).hexdigest()
@@ -410,20 +188,6 @@ def test_real_hh_rlhf_every_row_is_a_pair_or_a_reasoned_rejection(hh_rlhf_path):
         assert "\n\nAssistant:" not in c[:n]
     by_reason = {k: v for k, v in s["rejected"].items() if v}
     print(f"\nHH-RLHF: rows_in={s['rows_in']} pairs_out={s['pairs_out']} rejected={by_reason}")
-
-
-def test_real_hh_row_prompt_split(hh_rlhf_path):
-    with gzip.open(hh_rlhf_path, "rt", encoding="utf-8") as f:
-        row = json.loads(f.readline())
-    pair = normalize_row(row, "hh")
-    assert pair.prompt[:3] == [U("what are some pranks with a pen i can do?"),
-                               A("Are you looking for practical joke ideas?"), U("yep")]
-    assert pair.prompt[-1]["role"] == "user"
-    last_user = pair.prompt[-1]["content"]
-    head = f"\n\nHuman: {last_user}\n\nAssistant: "
-    assert row["chosen"].endswith(head + pair.chosen[0]["content"])
-    assert row["rejected"].endswith(head + pair.rejected[0]["content"])
-    assert pair.chosen != pair.rejected
 
 
 # ----------------------------------------------------------------------------------------------
@@ -758,36 +522,44 @@ def _old_read_jsonl(data: bytes) -> list[tuple[int, str, bool]]:
 def test_streaming_jsonl_lines_match_the_whole_file_split(data, tmp_path):
     path = tmp_path / "x.jsonl"
     path.write_bytes(data)
-    from stages.normalize import _BLANK
+    from stages.data.sources import BLANK
 
-    got = [(r.src_row, r.raw, r.value is _BLANK) for r in read_source_rows(path)]
+    got = [(r.src_row, r.raw, r.value is BLANK) for r in iter_source_rows(path)]
     assert got == _old_read_jsonl(data)
 
 
-def test_streaming_normalize_is_byte_identical_to_in_memory(hh_rlhf_path, tmp_path, monkeypatch):
+def test_the_streaming_writer_gives_the_same_bytes_for_any_piece_size(hh_rlhf_path, tmp_path, monkeypatch):
+    """normalize_to_files, the stage's one path: pieces of 64, 1000 or 4096 rows (stages/data/spill.py) give the
+    same bytes, and the files hold what the reader finds, pairs sorted by pair_id, rejections in read order. (The
+    default pipeline's bytes are the committed record: tests/test_pipeline_e2e.py.)"""
+    import stages.data.spill as spill
     import stages.lib.io as io
-    import stages.normalize as nz
-    from stages.lib.io import write_parquet
+    from stages.lib.io import read_parquet
+    from stages.normalize import normalize_to_files
 
-    # Small row groups and sink pieces so that the real HH file spans many of both (the contract's
-    # row-group size is 65536; what is tested is that pieces never show in the bytes).
+    # Small row groups so that the real HH file spans many (the contract's row-group size is 65536; what is
+    # tested is that pieces never show in the bytes).
     monkeypatch.setattr(io, "PARQUET_ROW_GROUP", 700)
-    monkeypatch.setattr(nz, "SINK_ROWS", 64)
     dup = tmp_path / "dup.jsonl"  # duplicates and bad rows: rejections span pieces too
     lines = gzip.open(hh_rlhf_path, "rt").read().splitlines()[:300]
     own = json.dumps({"prompt": "own", "chosen": "a", "rejected": "b"})  # a source must yield a pair
     dup.write_text("\n".join(lines + ["not json", "{}", own]) + "\n")
     sources = [{"name": "hh", "path": str(hh_rlhf_path), "format": "hh"}, {"name": "dup", "path": str(dup),
                                                                             "format": "auto"}]
-    ref = normalize_sources(sources)
-    assert len(ref.pairs) > 1400 and len(ref.rejections) > 300
-    write_parquet(tmp_path / "ref_pairs.parquet", nz.pairs_table(ref.pairs))
-    write_parquet(tmp_path / "ref_rej.parquet", nz.rejections_table(ref.rejections))
-    stats = nz.normalize_to_files(sources, str(tmp_path / "out" / "pairs.parquet"), str(tmp_path / "out" / "rej.parquet"))
-    assert stats == ref.stats
-    assert (tmp_path / "out" / "pairs.parquet").read_bytes() == (tmp_path / "ref_pairs.parquet").read_bytes()
-    assert (tmp_path / "out" / "rej.parquet").read_bytes() == (tmp_path / "ref_rej.parquet").read_bytes()
-    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["pairs.parquet", "rej.parquet"]  # no spill left
+    found = normalize_sources(sources)
+    assert len(found.pairs) > 1400 and len(found.rejections) > 300
+    outputs = {}
+    for rows in (64, 1000, 4096):
+        monkeypatch.setattr(spill, "SINK_ROWS", rows)
+        out = tmp_path / f"out{rows}"
+        stats = normalize_to_files(sources, str(out / "pairs.parquet"), str(out / "rej.parquet"))
+        assert stats == found.stats
+        assert sorted(p.name for p in out.iterdir()) == ["pairs.parquet", "rej.parquet"]  # no spill left
+        outputs[rows] = [(out / name).read_bytes() for name in ("pairs.parquet", "rej.parquet")]
+    assert outputs[64] == outputs[1000] == outputs[4096]
+    assert read_parquet(tmp_path / "out64" / "pairs.parquet").to_pylist() == sorted(found.pairs,
+                                                                                   key=lambda p: p["pair_id"])
+    assert read_parquet(tmp_path / "out64" / "rej.parquet").to_pylist() == found.rejections
 
 
 def test_a_source_outside_the_repository_is_found_from_a_dvc_experiment_copy(tmp_path, monkeypatch):
@@ -795,7 +567,6 @@ def test_a_source_outside_the_repository_is_found_from_a_dvc_experiment_copy(tmp
     the workspace: a source written `../ext/...` is the file beside the workspace, read from there and named by
     its absolute path in the rule's inputs (dvc.yaml's deps), while pairs keep the path as written."""
     from stages.lib.io import data_location, leaves_repository
-    from stages.normalize import normalize_sources
     workspace, copy, ext = tmp_path / "ws", tmp_path / "ws/.dvc/tmp/exps/tmp1", tmp_path / "ext"
     for d in (workspace, copy, ext):
         d.mkdir(parents=True, exist_ok=True)

@@ -32,9 +32,9 @@ pytestmark = [
 ]
 
 
-def _params(path: Path) -> Path:
+def _params(path: Path, **train) -> Path:
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    params["train"].update(epochs=1, global_batch_pairs=16, warmup_ratio=0.0)
+    params["train"].update(epochs=1, global_batch_pairs=16, warmup_ratio=0.0, **train)
     params["dpo"].update(objective="dpo_ref_free")
     path.write_text(yaml.safe_dump(params))
     return path
@@ -58,12 +58,15 @@ def _digests(out: Path) -> dict[str, str]:
             for p in sorted(out.rglob("*")) if p.is_file() and p.suffix in (".jsonl", ".csv", ".safetensors")}
 
 
-@pytest.mark.parametrize("stage", ["train_dpo", "train_rm"])
-def test_train_stage_bytes_do_not_depend_on_the_cpu_vendor(tmp_path, stage):
+@pytest.mark.parametrize("stage,optimizer", [("train_dpo", None), ("train_rm", None),
+                                             ("train_rm", {"state": "fp32_master_8bit"})])
+def test_train_stage_bytes_do_not_depend_on_the_cpu_vendor(tmp_path, stage, optimizer):
+    """Also the 8-bit optimizer state's torch-ops path (stages/engine/lowbit_adamw.py: its one square root in
+    double precision, never float32 torch.sqrt)."""
     make_tiny_model_dir(tmp_path / "model", hidden=64, vocab=256)       # AdamW state tensors of 8k-16k elements
     write_token_parquet(tmp_path / "train.parquet", toy_task_rows(48, seed=1))
     write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(8, seed=2, prefix="q"))
-    params = _params(tmp_path / "params.yaml")
+    params = _params(tmp_path / "params.yaml", **({"optimizer": optimizer} if optimizer else {}))
     results = {}
     for name, prefix in (("native", []), ("amd_epyc", [QEMU, "-cpu", "EPYC-Rome"])):
         out = tmp_path / name

@@ -109,6 +109,21 @@ def test_bad_params_are_refused_at_dag_build_naming_the_key(checkout, old, new, 
         assert first < second and {lines[first - 1].strip(), lines[second - 1].strip()} == {"lr: 1.0", "lr: 3.0e-4"}
 
 
+def test_max_length_over_the_references_positions_is_refused_at_dag_build(checkout):
+    """tokenize.max_length 2048 on the embedded reference (max_position_embeddings 1024 in its config.json): one
+    line naming both numbers and the file, from snakemake and from sync_dvc.py. Before: accepted silently
+    (issue 29: sequences of 3,060 tokens trained on a 1,024-position model)."""
+    with_params(checkout, "  max_length: 128\n", "  max_length: 2048\n")
+    for cmd in (SNAKEMAKE_DRY, SYNC_DVC):
+        line = refused_in_one_line(checkout, *cmd)
+        assert line == ("Snakefile: refused: tokenize.max_length 2048 is more than the reference's "
+                        "max_position_embeddings 1024 (models/tiny-qwen2/config.json): the model has no position past "
+                        "1023; set tokenize.max_length to at most 1024"), line
+    with_params(checkout, "  max_length: 128\n", "  max_length: 1024\n")   # as many as it has: fine
+    rc, lines = run(checkout, *SNAKEMAKE_DRY)
+    assert rc == 0, lines[-20:]
+
+
 def test_gpus_missing_here_are_refused_for_local_runs_only(checkout):
     """train.gpus: 1 where CUDA shows none: a local run (a dry run of one too) stops at DAG build saying what was
     found; `--executor slurm` builds the DAG (its jobs run where the GPUs are), and sync_dvc.py only writes
@@ -132,7 +147,8 @@ def test_a_stage_refuses_bad_params_with_the_same_preflight(tmp_path, capsys):
 
     (tmp_path / "params.yaml").write_text(PARAMS.replace("lr: 3.0e-4", "lr: .nan"))
     with pytest.raises(SystemExit) as e:
-        freeze_probe.main(["--params", str(tmp_path / "params.yaml"), "--pairs", "absent.parquet", "--train",
+        freeze_probe.main(["--params", str(tmp_path / "params.yaml"), "--pairs", "absent.parquet", "--identity",
+                           str(tmp_path / "absent.json"), "--train",
                            str(tmp_path / "t.parquet"), "--probe", str(tmp_path / "p.parquet"), "--manifest",
                            str(tmp_path / "m.json")])
     assert e.value.code == 1

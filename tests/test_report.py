@@ -514,6 +514,24 @@ def test_verify_with_a_workspace_refuses_a_missing_artifact(tmp_path):
     assert rc == 0 and "SKIPPED  results/train_dpo/model: hashed only" in out, out
 
 
+def test_summary_warns_of_a_run_too_short_to_train_and_verify_remakes_it(tmp_path):
+    """A train log of 3 steps (a plan the trainer warned about): the summary says so, from the packed train log, so
+    `report verify` remakes it from the bundle alone, and a summary with the warning removed is refused."""
+    repo = _inputs(tmp_path / "r", small_params())
+    log = repo / "results/train_dpo/train_log.csv"
+    log.write_text("\n".join(log.read_text().splitlines()[:4]) + "\n")         # header + 3 steps
+    rc, err = _report(repo, "o")
+    assert rc == 0, err
+    summary = (repo / "o/summary.md").read_text()
+    assert "## Warnings\n\n- dpo: only 3 optimizer steps (fewer than 10): too few" in summary and "- rm:" not in summary
+    rc, out = _verify(repo, repo / "o/evidence.tar.gz", workspace=False)
+    assert rc == 0 and "MATCH    evidence/summary.md: remade from the packed metrics" in out, out
+    forged = _rewrite(repo / "o/evidence.tar.gz", tmp_path / "quiet.tar.gz",
+                      lambda m: _replace_text(m, "evidence/summary.md", "## Warnings", "## Notes"), consistent=True)
+    rc, out = _verify(repo, forged, workspace=False)
+    assert rc == 1 and "DIFFERS  evidence/summary.md: not what report writes" in out, out
+
+
 def test_verify_requires_the_artifacts_the_objective_implies(tmp_path):
     """Reference-free DPO has no ref_logps stage: its bundle verifies without one, and one listed is refused."""
     params = small_params()

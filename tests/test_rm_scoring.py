@@ -23,12 +23,13 @@ from stages.lib.io import read_json, read_jsonl
 from stages.engine.modeling import ModelLoadError, load_reward_model
 from stages.engine.packing import TokenDataError, build_packed_batch, load_token_pairs
 from stages.engine.export import ExportError, export_tokenizer_pad
-from stages.tokenize import PairTokenizer, TokenizeLimits, load_tokenizer, tokenize_pairs
-from test_tokenize import CHATML, gpt2_with_template, load_hh_pairs
+from data_helpers import CHATML, UNLIMITED, gpt2_with_template, load_hh_pairs
+from stages.data.pair_tokenizer import PairTokenizer
+from stages.data.tokenizer import load_tokenizer
+from stages.data.truncation import tokenize_pairs
 from test_train import stage_args, write_params
 
 torch.set_num_threads(1)
-UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
 GPT2_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")
 CASES = ("pad_is_eos", "no_pad", "pad_distinct", "chat_template")
 
@@ -146,7 +147,8 @@ def test_a_completion_of_only_pad_tokens_is_refused_naming_the_pair(tmp_path):
                          probe[1]["rejected_ids"][:probe[1]["rejected_prompt_len"]] + [2, 2],
                          probe[1]["rejected_prompt_len"])
     write_token_parquet(tmp_path / "probe.parquet", probe)
-    params = write_params(tmp_path / "p.yaml", train={"epochs": 1})
+    # 2 steps: one batch of all 8 pairs would be a single step at lr 0, which the plan check refuses first
+    params = write_params(tmp_path / "p.yaml", train={"epochs": 1, "global_batch_pairs": 4})
     with pytest.raises(SystemExit, match=r"train_rm: refused: .*probe\.parquet: row 1 \(pair q_only_eos\) rejected: "
                                          r"every completion token is the pad token 2") as e:
         train_rm.main(stage_args(tmp_path, "--out-dir", tmp_path / "rm", params))

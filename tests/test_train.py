@@ -24,8 +24,10 @@ from engine_helpers import (make_tiny_model_dir, pair_seqs, reference_rm_scores,
 from stages.engine.optim import lr_factor
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl, read_parquet
-from stages.engine.objectives import (RefLogpsError, dpo_pair_losses, ref_logps_for, ref_logps_table,
-                                   reward_pair_losses, tie_aware_accuracy)
+from stages.engine.dpo_losses import dpo_pair_losses
+from stages.engine.objectives import tie_aware_accuracy
+from stages.engine.reward_objective import reward_pair_losses
+from stages.lib.ref_logps_table import RefLogpsError, ref_logps_for, ref_logps_table
 from stages.engine.packing import load_token_pairs, plan_training
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,8 +209,9 @@ def test_dpo_first_step_loss_grad_norm_and_ref_logps_match_independent_implement
     # The start-up record (stages/engine/startup.py), in the perf JSON only: every phase up to the first
     # optimizer step, in order, each a duration, the total their sum.
     startup = json.loads((Path(str(out) + ".perf.json")).read_text())["startup"]
-    assert startup["order"] == ["imports", "process_group", "environment", "tokens", "model_load",
-                                               "to_device", "kernel_warmup", "plan", "wrap", "optimizer", "resume",
+    # "plan" (packing, optimizer refusals, memory plan) comes before the model load: nothing is read in vain
+    assert startup["order"] == ["imports", "process_group", "environment", "tokens", "plan", "model_load",
+                                               "to_device", "kernel_warmup", "wrap", "optimizer", "resume",
                                                "probe_step0", "steps_setup", "first_step"]
     assert all(v >= 0 for v in startup["phases_seconds"].values()) and startup["from"] == "process start"
     assert startup["total_seconds"] == pytest.approx(sum(startup["phases_seconds"].values()), abs=0.01)

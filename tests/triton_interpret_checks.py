@@ -5,6 +5,7 @@ real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model <model_dir> <token_parquet> <out.pt>
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model_lora <model_dir> <token_parquet> <out.pt>
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_adamw
+    TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_lowbit
 """
 from __future__ import annotations
 
@@ -220,12 +221,132 @@ def check_flat_adamw(device: str = "cpu") -> None:
     print("flat adamw ok")
 
 
+def check_flat_lowbit(device: str = "cpu") -> None:
+    """(CPU under the interpreter, or CUDA from tests/test_gpu.py.) FlatLowBitAdamW (kernels._adamw8_kernel through
+    graphed_optimizer_step) against LowBitAdamW's own step in torch ops, in each low-bit mode (fp32 masters of bf16
+    weights, fp32 weights, bf16 weights with stochastic rounding), 4 steps with a changing learning rate, weight
+    decay and an active clip, tensors not multiples of the 128-value block: masters / weights within a few fp32
+    ulps (fp32_master_8bit) or equal bf16 values (bf16_sr_8bit: the same hash bits), but for the few values
+    where a moment code flipped (an fp32 ulp at a code boundary) and what that flip moved since; the codes equal
+    but for those, the decoded moments within two code steps; a parameter without gradient untouched; and a state_dict
+    that continues as LowBitAdamW's own."""
+    from stages.engine.dist import DistEnv
+    from stages.engine.flat_adamw import FlatLowBitAdamW
+    from stages.engine.lowbit_adamw import LowBitAdamW, dequantize
+    from stages.engine.optim import build_optimizer, fp32_grad_norm
+    from stages.engine.steps import graphed_optimizer_step
+    from engine_helpers import train_settings
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend="gloo")
+    for state, precision in (("fp32_master_8bit", "bf16"), ("fp32_master_8bit", "autocast"), ("bf16_sr_8bit", "bf16")):
+        settings = train_settings(max_grad_norm=0.005, weight_decay=0.1, precision=precision,
+                                  optimizer={"state": state})
+        bf16 = precision == "bf16"
+
+        def net():
+            return torch.nn.ModuleDict({"a": torch.nn.Linear(8, 40), "b": torch.nn.Linear(40, 300),
+                                        "unused": torch.nn.Linear(3, 3)})
+
+        torch.manual_seed(0)
+        base = net()
+        models, opts = [], []
+        for _ in range(3):
+            m = net().to(device)
+            m.load_state_dict(base.state_dict())
+            masters = {id(p): p.detach() for p in m.parameters()} if bf16 and state == "fp32_master_8bit" else None
+            if bf16:
+                m.to(torch.bfloat16)
+            models.append(m)
+            opts.append(build_optimizer(m, settings, env, masters))
+        assert isinstance(opts[1], LowBitAdamW) and FlatLowBitAdamW.unsupported(opts[1]) is None
+        flat = FlatLowBitAdamW(opts[1], settings.max_grad_norm)
+        unused_before = [p.detach().clone() for p in models[1]["unused"].parameters()]
+        lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in opts[1].param_groups]
+        sums, row = (torch.zeros(n, dtype=torch.float64, device=device) for n in (2, 3))
+
+        def eager(m, opt):
+            norm = fp32_grad_norm(list(m.parameters()))
+            divisor = 1.0 / torch.clamp(settings.max_grad_norm / (norm + 1e-6), max=1.0)
+            opt.step(grad_divisor=divisor)
+            opt.zero_grad()
+            return norm
+
+        def weights(opt):
+            return [(opt.master_params[i] if opt.master_params is not None else p).detach().double()
+                    for i, p in enumerate(opt.model_params)]
+
+        def compare(oa, ob):
+            for a, b in zip(weights(oa), weights(ob)):
+                if state == "bf16_sr_8bit":      # the same hash bits: equal bf16 values but for rare flips (where
+                    # a moment code flipped, below, the update differs by up to ~13% and may cross the random
+                    # threshold): a few percent of the weights, by an ulp or two
+                    assert float((a != b).double().mean()) < 0.03, float((a != b).double().mean())
+                    assert float((a - b).abs().max()) <= 0.2 * 2e-2 * 4
+                else:   # a few fp32 ulps, but where a code flipped (an fp32 ulp at a code boundary) a step's
+                    # update differs by up to ~13% (one code step of m or sqrt(v)): rare, and bounded by lr
+                    close = (a - b).abs() <= 4e-6
+                    assert float(close.double().mean()) > 0.97, float(close.double().mean())
+                    assert float((a - b).abs().max()) <= 0.2 * 2e-2 * 4
+            da_, db_ = oa.state_dict()["state"], ob.state_dict()["state"]
+            assert set(da_) == set(db_)
+            for i in da_:
+                sa, sb = da_[i], db_[i]
+                for key, signed in (("m", True), ("s", False)):
+                    # Codes equal but for values an fp32 ulp from a code boundary; such a flip (one code step, at
+                    # most 1/16 of the block's scale) then decays through the moment's EMA; when it hits the block's
+                    # absmax, the scale moves by up to a code step too and the block re-normalizes, so decoded values
+                    # stay within two top-range code steps (0.13) of their block's scale.
+                    differ = sa[f"{key}_codes"] != sb[f"{key}_codes"]
+                    assert float(differ.double().mean()) < 0.02, (key, float(differ.double().mean()))
+                    ra = (sa[f"{key}_scale"] - sb[f"{key}_scale"]).abs() / sa[f"{key}_scale"].abs().clamp_min(1e-30)
+                    assert float((ra > 1e-5).double().mean()) < 0.05 and float(ra.max()) < 0.07, (key, float(ra.max()))
+                    scale = sa[f"{key}_scale"].cpu()
+                    da = dequantize(sa[f"{key}_codes"].cpu(), scale, signed)
+                    db = dequantize(sb[f"{key}_codes"].cpu(), sb[f"{key}_scale"].cpu(), signed)
+                    per = scale.repeat_interleave(128)[:da.numel()].view(da.shape)
+                    worst = float(((da - db).abs() / per.clamp_min(1e-30)).max())
+                    assert worst <= 0.13, (state, precision, key, worst)
+
+        for step, lr in enumerate([1e-2, 5e-3, 2e-2, 1e-2]):
+            x = torch.randn(5, 8, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+            for opt in opts:
+                for g in opt.param_groups:
+                    g["lr"] = lr
+            m = models[1]
+            m["b"](torch.tanh(m["a"](x))).float().square().mean().backward()
+            for ps, pd in zip(m.parameters(), models[0].parameters()):
+                pd.grad = None if ps.grad is None else ps.grad.clone()
+            norm = eager(models[0], opts[0])
+            for t, g in zip(lrs, opts[1].param_groups):
+                t.fill_(g["lr"])
+            graphed_optimizer_step(opts[1], m, settings, lrs, sums, row, flat)
+            assert abs(float(row[2]) / float(norm) - 1) < 1e-5 and float(norm) > settings.max_grad_norm
+            used = [p for n, p in m.named_parameters() if not n.startswith("unused")]
+            assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in used)
+            compare(opts[0], opts[1])
+        for p, before in zip(models[1]["unused"].parameters(), unused_before):
+            assert torch.equal(p, before)
+        assert float(flat.step_count) == 4.0 and float(opts[1].state_dict()["state"][0]["step"]) == 4.0
+        flat.release()
+        models[2].load_state_dict(models[1].state_dict())
+        opts[2].load_state_dict(opts[1].state_dict())
+        x = torch.randn(5, 8, device=device, dtype=torch.bfloat16 if bf16 else torch.float32)
+        models[2]["b"](torch.tanh(models[2]["a"](x))).float().square().mean().backward()
+        for ps, pd in zip(models[2].parameters(), models[0].parameters()):
+            pd.grad = None if ps.grad is None else ps.grad.clone()
+        for k in (0, 2):
+            eager(models[k], opts[k])
+        compare(opts[0], opts[2])
+    print("flat lowbit ok")
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     if sys.argv[1] == "kernels":
         check_kernels()
     elif sys.argv[1] == "flat_adamw":
         check_flat_adamw()
+    elif sys.argv[1] == "flat_lowbit":
+        check_flat_lowbit()
     elif sys.argv[1] == "model_lora":
         model_outputs(*sys.argv[2:5], lora=True)
     else:

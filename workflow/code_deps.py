@@ -9,8 +9,10 @@ a new module under stages/engine/ is picked up by the rules whose code imports i
     python workflow/code_deps.py stages.train_dpo      # prints the files, one a line
 
 Imports inside functions count (a lazy import still runs). A package's `__init__.py` counts when it
-holds code beyond its docstring. Only modules under `stages` are followed (third-party code is the
-environment record's business).
+holds code beyond its docstring. A package that finds its own modules at import (its `__init__.py` calls
+`pkgutil.iter_modules`, as the format registry stages/data/formats/ does: a new format is a new file, listed
+nowhere) imports every module in its directory, so each counts. Only modules under `stages` are followed
+(third-party code is the environment record's business).
 """
 from __future__ import annotations
 
@@ -56,6 +58,18 @@ def _imported_modules(path: Path) -> tuple[str, ...]:
 
 
 @lru_cache(maxsize=None)
+def _discovered_modules(path: Path) -> tuple[Path, ...]:
+    """The files of the modules a package's __init__.py imports by listing its directory (a call to
+    pkgutil.iter_modules in it): every other .py file there. Empty for any other file."""
+    if path.name != "__init__.py":
+        return ()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), filename=str(path))):
+        if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "iter_modules":
+            return tuple(sorted(p for p in path.parent.glob("*.py") if p.name != "__init__.py"))
+    return ()
+
+
+@lru_cache(maxsize=None)
 def _code_deps(module: str, root: Path) -> tuple[str, ...]:
     first = _module_file(module, root)
     if first is None:
@@ -68,6 +82,7 @@ def _code_deps(module: str, root: Path) -> tuple[str, ...]:
             continue
         seen.add(path)
         todo += _imported_modules(path)
+        todo += [".".join(p.relative_to(root).with_suffix("").parts) for p in _discovered_modules(path)]
     rel = lambda p: p.relative_to(root).as_posix()  # noqa: E731
     return (rel(first), *sorted(rel(p) for p in seen if p != first))
 

@@ -237,10 +237,50 @@ def guards_this_process(workflow) -> bool:
     return (workflow.is_main_process and not os.environ.get(INSIDE_DVC) and not os.environ.get(DAG_ONLY))
 
 
+def requested_targets() -> list[str] | None:
+    """The targets of this `snakemake` command line (None: the default target, i.e. everything; also for an API
+    caller, whose targets a Snakefile cannot see)."""
+    program = Path(sys.argv[0]).name if sys.argv else ""
+    if program not in ("snakemake", "__main__.py"):
+        return None
+    from snakemake.cli import get_argument_parser
+    given, _ = get_argument_parser().parse_known_args(sys.argv[1:])
+    return list(given.targets) or None
+
+
+def needed_stages(repo, targets: list[str] | None) -> set[str] | None:
+    """The dvc.yaml stages a run of `targets` (rule names or output paths) builds or reads: the targets' stages and
+    everything upstream of them. None: all of them (no targets, `all`, or a target no stage makes)."""
+    if not targets:
+        return None
+    stages = {stage.name: stage for stage in repo.index.stages if getattr(stage, "name", None)}
+    outs = {out.def_path.rstrip("/"): name for name, stage in stages.items() for out in stage.outs}
+
+    def producer(path: str) -> str | None:
+        path = os.path.normpath(path)
+        return next((name for out, name in outs.items() if path == out or path.startswith(out + "/")), None)
+
+    todo = []
+    for target in targets:
+        name = target if target in stages else producer(target)
+        if name is None:
+            return None
+        todo.append(name)
+    needed: set[str] = set()
+    while todo:
+        name = todo.pop()
+        if name not in needed:
+            needed.add(name)
+            todo += [up for dep in stages[name].deps if (up := producer(dep.def_path)) is not None]
+    return needed
+
+
 class RunGuard:
     """What a Snakemake run holds from start-up to its end: DVC's repository lock, and the stages it must rerun."""
 
-    def __init__(self, root: Path = ROOT, log=None):
+    def __init__(self, root: Path = ROOT, targets: list[str] | None = None, log=None):
+        """targets: what this run was asked to build (None: everything). A stale stage outside those and their
+        upstream is reported and left alone: forcing it would widen the run beyond what was asked."""
         self.root = root
         self._log = log or (lambda line: print(line, file=sys.stderr, flush=True))
         self._session = None
@@ -251,18 +291,23 @@ class RunGuard:
         atexit.register(self.release)
         already = {name for name in os.environ.get(FORCED, "").split(",") if name}
         self.stale: dict[str, list[str]] = {}
+        needed = None
         try:
             if repo is not None and recorded:
                 self.stale = {name: describe(ch) for name, ch in stage_changes(repo, recorded).items()
                               if content_changed(ch)}
+                needed = needed_stages(repo, targets)
         except BaseException:
             self.release()
             raise
+        self.forced = sorted(name for name in self.stale if needed is None or name in needed)
         for name, reasons in self.stale.items():
-            if name not in already:
+            # The process started again by rerun_forcing said all this already (only something new is news).
+            if name not in already and (FORCED not in os.environ or name in self.forced):
                 shown = "; ".join(reasons[:4]) + (f"; and {len(reasons) - 4} more" if len(reasons) > 4 else "")
-                self._log(f"integrity: {name} must rerun: it no longer matches {LOCKFILE} ({shown})")
-        self.unforced = sorted(set(self.stale) - already)
+                verdict = "must rerun" if name in self.forced else "is not needed for these targets, left as it is"
+                self._log(f"integrity: {name} {verdict}: it no longer matches {LOCKFILE} ({shown})")
+        self.unforced = sorted(set(self.forced) - already)
 
     def release(self) -> None:
         """Give DVC's lock back (before onsuccess records the run through sync_dvc.py, which takes it itself)."""
@@ -275,7 +320,7 @@ class RunGuard:
         type), replacing this process: Snakemake fixes --forcerun before the Snakefile is read, so a Snakefile can
         only ask for it this way. The stale stages and everything downstream of them then rerun, and a dry run
         lists them as forced. Only for the `snakemake` command line; an API caller is told what to pass."""
-        forced = sorted(set(self.stale) | {n for n in os.environ.get(FORCED, "").split(",") if n})
+        forced = sorted(set(self.forced) | {n for n in os.environ.get(FORCED, "").split(",") if n})
         program = Path(sys.argv[0]).name if sys.argv else ""
         if program not in ("snakemake", "__main__.py"):
             raise IntegrityError(f"stages {', '.join(self.unforced)} no longer match {LOCKFILE}: run them with "

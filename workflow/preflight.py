@@ -9,9 +9,12 @@ the Snakemake API) stop before anything runs or dvc.yaml is written:
   GPUs when the jobs run on this machine (`jobs_run_here`);
 * Snakemake's config equal to params.yaml (DVC reads params.yaml only: a --config override would make the two
   tools disagree about what ran);
-* every data source names data files (stages/normalize.py resolve_source_files): a missing file would
+* every data source names data files (stages/data/sources.py resolve_source_files): a missing file would
   otherwise leave normalize an input nothing can make, and Snakemake, finding normalize's old outputs, drops
-  the rule from the DAG instead of failing: dvc.yaml lost the stage and the run claimed data it never read.
+  the rule from the DAG instead of failing: dvc.yaml lost the stage and the run claimed data it never read;
+* tokenize.max_length within the reference's positions (`max_position_embeddings` of ref.local_dir/config.json,
+  stages/data/limits.py check_fits_reference), when that directory is already there (an `hf` reference not yet
+  downloaded is verify_ref's to refuse; tokenize checks again on the verified directory).
 """
 from __future__ import annotations
 
@@ -56,7 +59,8 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
     """The checks above; returns params.yaml as read, or refuses (one line, exit 1)."""
     from stages.lib.cli import one_line
     from stages.lib.params import ParamsError, preflight_params
-    from stages.normalize import SourceError, resolve_source_files
+    from stages.data.limits import TokenizeError, check_fits_reference
+    from stages.data.sources import SourceError, resolve_source_files
 
     try:
         params = preflight_params(params_path, gpus_here=jobs_run_here(workflow))
@@ -64,6 +68,7 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
             raise ParamsError("config differs from params.yaml: edit params.yaml instead of passing "
                               "--config/--configfile (DVC tracks params.yaml only)")
         resolve_source_files(params["data"]["sources"])
-    except (ParamsError, SourceError) as e:
+        check_fits_reference(params["tokenize"]["max_length"], params["ref"]["local_dir"])
+    except (ParamsError, SourceError, TokenizeError) as e:
         refuse(one_line(e))
     return params

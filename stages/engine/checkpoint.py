@@ -170,6 +170,13 @@ def incompatibilities(meta: dict, header: dict) -> list[str]:
     if meta.get("reference") != header["reference"]:
         out.append(f"reference differs: checkpoint started from {meta.get('reference')}, this run from "
                    f"{header['reference']}")
+    # The optimizer state's layout is the mode's (fp32 moments, 8-bit codes and scales, masters or none): named
+    # first, both ways, before the generic settings difference below.
+    saved_state = ((meta.get("train_settings") or {}).get("optimizer") or {}).get("state", "exact")
+    this_state = (header["train_settings"].get("optimizer") or {}).get("state", "exact")
+    if saved_state != this_state:
+        out.append(f"optimizer state differs: the checkpoint holds train.optimizer.state {saved_state}, this run uses "
+                   f"{this_state} (a state resumes only in its own mode)")
     for key, what in (("data_digest", "train data (train tokens)"), ("probe_digest", "probe (probe tokens)")):
         if meta.get(key) != header[key]:
             out.append(f"{what} differ: digest {str(meta.get(key))[:12]} != {header[key][:12]}")

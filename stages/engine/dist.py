@@ -125,6 +125,11 @@ def wrap_model(module: nn.Module, hf_model: nn.Module, settings: TrainSettings, 
         # and reduces gradients in fp32.
         mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if settings.precision == "bf16" else MixedPrecisionPolicy())
+        if settings.optimizer_state == "bf16_sr_8bit":
+            # No master: the shards are the bf16 weights themselves (updated with stochastic rounding); gradients
+            # are still reduced in fp32, then held in the shards' dtype.
+            module.to(dtype=torch.bfloat16)
+            mp = MixedPrecisionPolicy(reduce_dtype=torch.float32)
         for block in blocks:
             fully_shard(block, mp_policy=mp)
         fully_shard(module, mp_policy=mp)

@@ -35,6 +35,16 @@ ADAM_BLOCK = 2048
 NORM_BLOCK = 8192
 
 
+def release_freed_memory(device: torch.device) -> None:
+    """Give the blocks a migration just freed (the per-tensor weights, gradients or masters now living in one flat
+    buffer) back to the driver. The caching allocator keeps them otherwise, scattered in the sizes the model load
+    made them, where no later flat buffer fits: on the 7B shape 57 GiB stayed reserved but unallocated after the
+    build and the second step ran out of memory (bench/results/h200_7b_issue30)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
 class FlatMasterAdamW:
     """Owns the flat buffers of a MasterWeightAdamW (see the module docstring); `step` replaces
     grads_to_master + clip + optimizer.step() + zero_grad for the graph path."""
@@ -104,29 +114,39 @@ class FlatMasterAdamW:
             raise RuntimeError("flat AdamW: the parameters' optimizer step counts differ (resumed state from "
                                "another run?); one shared step count is required")
         p0, m0 = entries[0][0], entries[0][1]
+        # One kind of buffer at a time, each old tensor re-pointed (and so freed) as it is copied: the build's
+        # peak is the final footprint plus the largest buffer being filled, where allocating the five buffers
+        # first held a second copy of weights, gradients and masters (+8 bytes a parameter: what made the
+        # 7B full fine-tune run out of memory in its first step, bench/results/h200_7b_ea0d2f0).
+        # `.data =` re-points the tensor the model / optimizer already hold (identity, leaf status and the tie of
+        # shared weights kept).
         self.param = torch.zeros(offset, dtype=p0.dtype, device=p0.device)
-        self.grad = torch.zeros(offset, dtype=p0.dtype, device=p0.device)
-        self.master = torch.zeros(offset, dtype=torch.float32, device=m0.device)
-        self.exp_avg = torch.zeros_like(self.master)
-        self.exp_avg_sq = torch.zeros_like(self.master)
-        self.step_count = torch.full((), steps.pop() if steps else 0.0, dtype=torch.float32, device=m0.device)
         for p, m, o, n in entries:
-            # `.data =` re-points the tensor the model / optimizer already hold (identity, leaf status and
-            # the tie of shared weights kept); the old storage is freed as soon as it is copied.
             self.param[o:o + n].copy_(p.reshape(-1))
             p.data = self.param[o:o + n].view_as(p)
+        release_freed_memory(p0.device)
+        self.grad = torch.zeros(offset, dtype=p0.dtype, device=p0.device)
+        for p, m, o, n in entries:
             self.grad[o:o + n].copy_(p.grad.reshape(-1))
             p.grad = self.grad[o:o + n].view_as(p)      # backward accumulates in place into this view
+        release_freed_memory(p0.device)
+        self.master = torch.zeros(offset, dtype=torch.float32, device=m0.device)
+        for p, m, o, n in entries:
             self.master[o:o + n].copy_(m.reshape(-1))
             m.data = self.master[o:o + n].view_as(m)
             m.grad = None
-            state = opt.state[m]
-            if state:
-                self.exp_avg[o:o + n].copy_(state["exp_avg"].reshape(-1))
-                self.exp_avg_sq[o:o + n].copy_(state["exp_avg_sq"].reshape(-1))
-            state["exp_avg"] = self.exp_avg[o:o + n].view_as(m)
-            state["exp_avg_sq"] = self.exp_avg_sq[o:o + n].view_as(m)
-            state["step"] = self.step_count
+        release_freed_memory(p0.device)
+        self.step_count = torch.full((), steps.pop() if steps else 0.0, dtype=torch.float32, device=m0.device)
+        for name in ("exp_avg", "exp_avg_sq"):
+            buf = torch.zeros_like(self.master)
+            for p, m, o, n in entries:
+                state = opt.state[m]
+                if name in state:
+                    buf[o:o + n].copy_(state[name].reshape(-1))
+                state[name] = buf[o:o + n].view_as(m)
+            setattr(self, name, buf)
+        for p, m, o, n in entries:
+            opt.state[m]["step"] = self.step_count
         self.partials = torch.zeros(-(-offset // NORM_BLOCK), dtype=torch.float32, device=m0.device)
         # per segment: beta1^t, beta2^t (t = the step count so far, host doubles), beta1, beta2, and the two
         # bias corrections _clip_kernel writes each step
@@ -166,3 +186,166 @@ def _launch(grad, param, master, exp_avg, exp_avg_sq, partials, norm, divisor, s
         kernels._adamw_kernel[(-(-(end - start) // ADAM_BLOCK),)](
             grad[sl], param[sl], master[sl], exp_avg[sl], exp_avg_sq[sl], end - start, lr, bias[i], divisor,
             beta1, 1.0 - beta1, beta2, 1.0 - beta2, eps, wd, BLOCK=ADAM_BLOCK)
+
+
+# ----------------------------------------------------------------------------------------------
+# The low-bit modes (train.optimizer.state fp32_master_8bit / bf16_sr_8bit) on the CUDA-graph path
+# ----------------------------------------------------------------------------------------------
+
+TILE_ROWS = 16          # quantization blocks per program of _adamw8_kernel (16 x 128 = 2048 values)
+
+
+class FlatLowBitAdamW:
+    """LowBitAdamW's step over flat buffers, for the CUDA-graph path: the bf16 (or fp32) parameters and gradients,
+    the fp32 masters (fp32_master_8bit over bf16 weights), the uint8 codes of m and sqrt(v), their per-block fp32
+    scales, and per block the parameter ordinal and first element index (the stochastic-rounding hash's inputs).
+    Every tensor starts at a 128-value block (kernels._adamw8_kernel quantizes per block), so a block never mixes
+    two tensors and each tensor's codes and scales are views (optimizer.state keeps LowBitAdamW's layout: its
+    state_dict and checkpoints are the eager optimizer's). A step: _sumsq_kernel + _clip_kernel (norm, clip
+    divisor, step count, fp64 bias corrections: FlatMasterAdamW's) and one _adamw8_kernel per parameter group.
+    Built at the first optimizer step, as FlatMasterAdamW; the buffers are filled one kind at a time (weights,
+    gradients, masters, then the codes), each old tensor freed as it is copied, so the build's peak is the
+    largest buffer over the final footprint, not a second copy of everything."""
+
+    def __init__(self, optimizer, max_grad_norm: float):
+        self.optimizer = optimizer
+        self.max_grad_norm = float(max_grad_norm)
+        device = optimizer.model_params[0].device
+        self.norm = torch.zeros((), dtype=torch.float32, device=device)
+        self.divisor = torch.ones((), dtype=torch.float32, device=device)
+        self.segments = None
+        self.grad = None
+
+    @staticmethod
+    def unsupported(optimizer) -> str | None:
+        from stages.engine.lowbit_adamw import LowBitAdamW
+        if not isinstance(optimizer, LowBitAdamW):
+            return "not a LowBitAdamW"
+        if not kernels.available(*optimizer.model_params[:1]):
+            return "Triton unavailable on this device"
+        return None
+
+    @torch.no_grad()
+    def _build(self) -> None:
+        from stages.engine.lowbit_adamw import BLOCK, n_blocks
+        opt = self.optimizer
+        masters = opt.master_params is not None
+        entries, segments, offset = [], [], 0
+        for gi, group in enumerate(opt.param_groups):
+            start = offset
+            for t in group["params"]:                     # t: the master (fp32_master_8bit over bf16) or the weight
+                p = opt._model_of.get(id(t), t)
+                if p.grad is None:
+                    continue
+                entries.append((p, t, offset, p.numel()))
+                offset += -(-p.numel() // BLOCK) * BLOCK
+            if offset > start:
+                segments.append((gi, start, offset))
+        if not entries:
+            raise RuntimeError("flat AdamW: no parameter has a gradient at the first optimizer step")
+        p0 = entries[0][0]
+        dev = p0.device
+        nb = offset // BLOCK
+
+        def migrate(dtype, get, put):
+            buf = torch.zeros(offset, dtype=dtype, device=dev)
+            for p, t, o, n in entries:
+                buf[o:o + n].copy_(get(p, t).reshape(-1))
+                put(p, t, buf[o:o + n])
+            release_freed_memory(dev)
+            return buf
+
+        def set_data(p, t, view):
+            p.data = view.view_as(p)
+
+        def set_grad(p, t, view):
+            p.grad = view.view_as(p)
+
+        self.param = migrate(p0.dtype, lambda p, t: p, set_data)
+        self.grad = migrate(p0.dtype, lambda p, t: p.grad, set_grad)
+        self.master = migrate(torch.float32, lambda p, t: t, lambda p, t, v: setattr(t, "data", v.view_as(t))) \
+            if masters else self.param
+        self.step_count = opt.step_count
+        bufs = {}
+        for kind, dtype, size in (("m_codes", torch.uint8, offset), ("s_codes", torch.uint8, offset),
+                                  ("m_scale", torch.float32, nb), ("s_scale", torch.float32, nb)):
+            bufs[kind] = torch.zeros(size, dtype=dtype, device=dev)
+        ordinal = torch.zeros(nb, dtype=torch.int32)
+        base = torch.zeros(nb, dtype=torch.int32)
+        for p, t, o, n in entries:
+            state = opt.state[t]
+            b0, k = o // BLOCK, n_blocks(n)
+            ordinal[b0:b0 + k] = opt.ordinal[id(t)]
+            base[b0:b0 + k] = torch.arange(k, dtype=torch.int32) * BLOCK
+            views = {"m_codes": bufs["m_codes"][o:o + n].view_as(t), "s_codes": bufs["s_codes"][o:o + n].view_as(t),
+                     "m_scale": bufs["m_scale"][b0:b0 + k], "s_scale": bufs["s_scale"][b0:b0 + k]}
+            resumed = "m_codes" in state
+            for key, view in views.items():
+                if resumed:
+                    view.copy_(state[key] if key.endswith("codes") else state[key][:k])
+                state[key] = view
+            state["step"] = self.step_count
+        self.m_codes, self.s_codes, self.m_scale, self.s_scale = (bufs[k] for k in ("m_codes", "s_codes", "m_scale",
+                                                                                    "s_scale"))
+        self.ordinal, self.base = ordinal.to(dev), base.to(dev)
+        self.partials = torch.zeros(-(-offset // NORM_BLOCK), dtype=torch.float32, device=dev)
+        groups = [opt.param_groups[gi] for gi, _, _ in segments]
+        self.hyper = [(*g["betas"], g["eps"], g["weight_decay"]) for g in groups]
+        t = float(self.step_count)
+        self.bias = torch.tensor([[b1 ** t, b2 ** t, b1, b2, 0.0, 0.0] for b1, b2, _, _ in self.hyper],
+                                 dtype=torch.float64, device=dev)
+        self.segments = segments
+        self.has_master = masters
+        self.sr = opt.state_mode == "bf16_sr_8bit" and p0.dtype == torch.bfloat16
+
+    def step(self, lrs: list[torch.Tensor]) -> torch.Tensor:
+        """As FlatMasterAdamW.step: clip + AdamW (8-bit moments) + zero the gradients; capturable."""
+        from stages.engine.lowbit_adamw import BLOCK
+        if self.segments is None:
+            self._build()
+        n = self.grad.numel()
+        kernels._sumsq_kernel[(self.partials.numel(),)](self.grad, self.partials, n, BLOCK=NORM_BLOCK)
+        kernels._clip_kernel[(1,)](self.partials, self.partials.numel(), self.norm, self.divisor, self.step_count,
+                                   self.bias, self.bias.shape[0], self.max_grad_norm, CLIP=self.max_grad_norm > 0,
+                                   BLOCK=1024)
+        for i, (gi, start, end) in enumerate(self.segments):
+            beta1, beta2, eps, wd = self.hyper[i]
+            b0, b1 = start // BLOCK, end // BLOCK
+            sl = slice(start, end)
+            kernels._adamw8_kernel[(-(-(b1 - b0) // TILE_ROWS),)](
+                self.grad[sl], self.param[sl], self.master[sl], self.m_codes[sl], self.m_scale[b0:b1],
+                self.s_codes[sl], self.s_scale[b0:b1], self.ordinal[b0:b1], self.base[b0:b1], b1 - b0, end - start,
+                lrs[gi],
+                self.bias[i], self.divisor, self.step_count, self.optimizer.seed, beta1, 1.0 - beta1, beta2,
+                1.0 - beta2, eps, wd, HAS_MASTER=self.has_master, SR=self.sr, ROWS=TILE_ROWS, B=BLOCK)
+        return self.norm
+
+    @staticmethod
+    def warm_up(device: torch.device, dtype: torch.dtype, has_master: bool, sr: bool) -> float:
+        """Compile the kernels a run launches, on scratch buffers (as FlatMasterAdamW.warm_up)."""
+        from stages.engine.lowbit_adamw import BLOCK
+        t0 = time.perf_counter()
+        n = 2 * BLOCK
+        g = torch.zeros(n, dtype=dtype, device=device)
+        w = torch.zeros(n, dtype=torch.float32, device=device)
+        codes = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
+        scales = [torch.zeros(2, dtype=torch.float32, device=device) for _ in range(2)]
+        idx = [torch.zeros(2, dtype=torch.int32, device=device) for _ in range(2)]
+        norm, divisor, step, lr = (torch.ones((), dtype=torch.float32, device=device) for _ in range(4))
+        partials = torch.zeros(1, dtype=torch.float32, device=device)
+        bias = torch.tensor([[1.0, 1.0, 0.9, 0.999, 0.1, 0.1]], dtype=torch.float64, device=device)
+        for clip in (True, False):
+            kernels._sumsq_kernel[(1,)](g, partials, n, BLOCK=NORM_BLOCK)
+            kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0, CLIP=clip,
+                                       BLOCK=1024)
+        kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0], idx[1], 2, n,
+                                     lr, bias[0], divisor, step, 12345, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0,
+                                     HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
+    def release(self) -> None:
+        for p in self.optimizer.model_params:
+            p.grad = None
+        self.grad = None

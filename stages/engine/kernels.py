@@ -200,6 +200,99 @@ if triton is not None:
         tl.store(grad_ptr + offs, tl.zeros([BLOCK], dtype=grad_ptr.dtype.element_ty), mask=mask)
 
 
+    # -- AdamW with block-wise 8-bit moments (train.optimizer.state; stages/engine/lowbit_adamw.py is the
+    # reference in torch ops: the same formats, hash and update; stages/engine/flat_adamw.py the caller) -------
+    @triton.jit
+    def _mix32(x):
+        """lowbit_adamw.mix32 in uint32 arithmetic (multiplies wrap mod 2^32)."""
+        x = x ^ (x >> 16)
+        x = x * 0x7FEB352D
+        x = x ^ (x >> 15)
+        x = x * 0x2C1B3C6D
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _encode8(y, TOP: tl.constexpr, MIN_NORMAL: tl.constexpr, SUB_SCALE: tl.constexpr):
+        """lowbit_adamw.encode_magnitude: y in [0, 1] -> int32 code, round to nearest even on the fp32 bits;
+        subnormals by the 2^23 trick (RNE of z < 2^22 in fp32)."""
+        bits = y.to(tl.int32, bitcast=True)
+        normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - TOP) << 3)
+        z = tl.minimum(y * SUB_SCALE, 16.0)        # only z < 8 is used; the clamp keeps the cast in range
+        sub = ((z + 8388608.0) - 8388608.0).to(tl.int32)
+        return tl.where(y >= MIN_NORMAL, normal, sub)
+
+    @triton.jit
+    def _decode8(code, TOP: tl.constexpr, SUB_STEP: tl.constexpr):
+        e = code >> 3
+        f = code & 7
+        normal = (((e + 127 - TOP) << 23) | (f << 20)).to(tl.float32, bitcast=True)
+        return tl.where(e > 0, normal, f.to(tl.float32) * SUB_STEP)
+
+    @triton.jit(do_not_specialize=["n_blocks", "n", "seed"])
+    def _adamw8_kernel(grad_ptr, param_ptr, master_ptr, mc_ptr, msc_ptr, sc_ptr, ssc_ptr, ord_ptr, base_ptr,
+                       n_blocks, n, lr_ptr, bias_ptr, divisor_ptr, step_ptr, seed, beta1, one_minus_beta1, beta2,
+                       one_minus_beta2, eps, weight_decay, HAS_MASTER: tl.constexpr, SR: tl.constexpr,
+                       ROWS: tl.constexpr, B: tl.constexpr):
+        """One program = ROWS quantization blocks of B values (a tile [ROWS, B]; every tensor starts at a block,
+        so a row is one block of one tensor). AdamW as _adamw_kernel, with m and sqrt(v) decoded from 8-bit codes
+        and per-block fp32 scales, re-encoded after the update (absmax per row); the weight written to the fp32
+        master and rounded to nearest into the model dtype (HAS_MASTER), or rounded stochastically to bf16 with
+        the counter hash of (seed, step, block's parameter ordinal, element index in the parameter) (SR), or
+        written as is (fp32 weights). Zeroes the gradient. n: the values (a flat buffer's are whole blocks; one
+        tensor's, on the eager GPU path, may end inside its last block)."""
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        rmask = rows < n_blocks
+        offs = rows[:, None] * B + tl.arange(0, B)[None, :]
+        mask = rmask[:, None] & (offs < n)
+        lr = tl.load(lr_ptr)
+        step_size = (lr.to(tl.float64) / tl.load(bias_ptr + 4)).to(tl.float32)
+        bias2_sqrt = tl.load(bias_ptr + 5).to(tl.float32)
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(divisor_ptr)
+        if HAS_MASTER:
+            w = tl.load(master_ptr + offs, mask=mask, other=0.0)
+        else:
+            w = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        mcode = tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32)
+        scode = tl.load(sc_ptr + offs, mask=mask, other=0).to(tl.int32)
+        mscale = tl.load(msc_ptr + rows, mask=rmask, other=0.0)
+        sscale = tl.load(ssc_ptr + rows, mask=rmask, other=0.0)
+        m = _decode8(mcode & 0x7F, 15, 7.62939453125e-06) * mscale[:, None]       # 2^-17: the subnormal step
+        m = tl.where(mcode >= 128, -m, m)
+        s = _decode8(scode, 31, 1.16415321826934814453125e-10) * sscale[:, None]  # 2^-33
+        v = s * s
+        w = w * (1.0 - lr * weight_decay)
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        s = tl.math.sqrt_rn(v)
+        w = w - step_size * tl.math.div_rn(m, tl.math.div_rn(s, bias2_sqrt) + eps)
+        am = tl.max(tl.abs(m), axis=1)
+        ym = tl.math.div_rn(tl.abs(m), tl.where(am > 0, am, 1.0)[:, None])
+        new_m = _encode8(ym, 15, 6.103515625e-05, 131072.0)       # 2^-14, 2^17
+        new_m = tl.where((m < 0) & (new_m > 0), new_m | 128, new_m)
+        a_s = tl.max(s, axis=1)
+        new_s = _encode8(tl.math.div_rn(s, tl.where(a_s > 0, a_s, 1.0)[:, None]), 31,
+                         9.31322574615478515625e-10, 8589934592.0)     # 2^-30, 2^33
+        tl.store(mc_ptr + offs, new_m.to(tl.uint8), mask=mask)
+        tl.store(sc_ptr + offs, new_s.to(tl.uint8), mask=mask)
+        tl.store(msc_ptr + rows, am, mask=rmask)
+        tl.store(ssc_ptr + rows, a_s, mask=rmask)
+        if HAS_MASTER:
+            tl.store(master_ptr + offs, w, mask=mask)
+            tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+        elif SR:
+            t = tl.load(step_ptr).to(tl.uint32)
+            ordinal = tl.load(ord_ptr + rows, mask=rmask, other=0).to(tl.uint32)
+            idx = (tl.load(base_ptr + rows, mask=rmask, other=0)[:, None] + tl.arange(0, B)[None, :]).to(tl.uint32)
+            key = _mix32(_mix32(_mix32(seed.to(tl.uint32)) ^ t) ^ ordinal)
+            r = _mix32(idx ^ key[:, None])
+            u = w.to(tl.uint32, bitcast=True)
+            u = (u + (r & 0xFFFF)) & 0xFFFF0000
+            tl.store(param_ptr + offs, u.to(tl.float32, bitcast=True).to(param_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(param_ptr + offs, w.to(param_ptr.dtype.element_ty), mask=mask)
+        tl.store(grad_ptr + offs, tl.zeros([ROWS, B], dtype=grad_ptr.dtype.element_ty), mask=mask)
+
+
 def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """q [T, Hq, D], k [T, Hk, D], cos/sin [T, D] with D / 2 a power of two (the kernel's vector width)."""
     if q.ndim != 3 or k.ndim != 3 or cos.shape != sin.shape or cos.ndim != 2:

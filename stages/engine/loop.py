@@ -26,7 +26,7 @@ import csv
 import io
 import logging
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +40,10 @@ from stages.engine.data import prefetch_batches, run_inference
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
                                 seed_everything, wrap_model)
 from stages.engine.export import export_model
+from stages.engine.guards import check_plan
 from stages.engine.objectives import Objective
-from stages.engine.optim import LRSchedule, MasterWeightAdamW, build_optimizer
+from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
+from stages.engine.optim import LRSchedule, MasterWeightAdamW, build_optimizer, check_optimizer_settings
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.engine.steps import make_steps
 from stages.engine.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint, run_header,
@@ -122,12 +124,70 @@ class Run:
     step0_rows: list[dict] | None = None
     saved_checkpoints: list[int] = field(default_factory=list)
     adapter: Adapter | None = None     # LoRA (train.adapter); None = full fine-tuning
+    memory_plan: dict | None = None    # stages/engine/memory_plan.py's estimate, made before the model load
+
+
+def plan_memory(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
+                plans: list[StepPlan]) -> tuple[dict | None, int | None]:
+    """The memory plan (stages/engine/memory_plan.py) from config.json alone: logged by part, refused when it cannot
+    fit this GPU (naming settings that would). -> (its record, or None for a model family it cannot count (logged);
+    the number of layers to checkpoint when train.activation_checkpointing is auto: the fewest that fit, else None)."""
+    from stages.engine.steps import cuda_graphs_unavailable
+    cfg = read_config(model_dir)
+    tokens = max((int(train_pairs.pair_tokens[mb].sum()) for s in plans for r in s.rank_micro_batches for mb in r),
+                 default=0)
+    cuda = env.device.type == "cuda"
+    device_bytes = torch.cuda.get_device_properties(env.device).total_memory if cuda else None
+    graphed = cuda_graphs_unavailable(settings, env) is None
+    auto = settings.activation_checkpointing == "auto"
+    try:
+        plan = (fewest_checkpointed(cfg, objective.head, settings, tokens, env.world_size, device_bytes,
+                                    env.device.type, graphed) if auto else
+                estimate_memory(cfg, objective.head, settings, tokens, env.world_size, device_bytes, env.device.type,
+                                graphed))
+    except (ValueError, KeyError) as e:
+        log.info("memory plan: none (%s)", e)
+        return None, 0 if auto else None
+    log.info("memory plan per %s: %s, %d parameters (%d trained), largest micro-batch %d tokens, %d of %d layers "
+             "checkpointed", "GPU" if cuda else "process", plan.describe(), plan.parameters, plan.trainable,
+             plan.micro_batch_tokens, plan.checkpointed_layers, plan.layers)
+    check_fits(plan, cfg, objective.head, settings, env.world_size, env.device.type, graphed,
+               torch.cuda.get_device_name(env.device) if cuda else "the device")
+    return plan.record(), plan.checkpointed_layers if auto else None
+
+
+def enable_activation_checkpointing(hf: nn.Module, settings: TrainSettings) -> int:
+    """train.activation_checkpointing: recompute the first N decoder layers in backward (all: true). Without RNG
+    state saving (dropout is off; LoRA dropout keeps it), so a checkpointed step can be captured as a CUDA graph.
+    Returns N."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+    layers = [m for m in hf.modules() if isinstance(m, GradientCheckpointingLayer)]
+    n = settings.checkpointed_layers(len(layers))
+    if n:
+        keep_rng = bool(settings.adapter and settings.adapter["dropout"] > 0)
+        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False,
+                                                                        "preserve_rng_state": keep_rng})
+        for layer in layers[n:]:
+            layer.gradient_checkpointing = False
+    return n
 
 
 def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
               probe_pairs: TokenPairs, out_dir: Path, ckpt: CheckpointOptions) -> Run:
     """Model (seeded head), precision, fused kernels compiled, wrapping, optimizer, plan; resumed when a
     checkpoint of this exact run exists."""
+    # The plan first (a pure function of the tokens and settings): the optimizer refusals and the memory plan
+    # need its micro-batches, and both must come before any weight is read.
+    plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
+                          global_batch_pairs=settings.global_batch_pairs,
+                          micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
+    step_tokens = [int(sum(train_pairs.pair_tokens[mb].sum() for mb in s.rank_micro_batches[r]))
+                   for s in plans for r in range(env.world_size)]
+    check_optimizer_settings(settings, env.world_size,
+                             max((len(x) for s in plans for x in s.rank_micro_batches), default=0),
+                             max(step_tokens, default=0))
+    memory, auto_layers = plan_memory(objective, settings, env, model_dir, train_pairs, plans)
+    startup.mark("plan")
     seed_everything(settings.seed)                 # same init on every rank (e.g. the new reward head)
     # fp32 weights read straight into GPU memory (no CPU copy; the cast to bf16 below happens there, as before):
     # the same values as a CPU load moved over. Not with an adapter: peft would create the LoRA weights on the
@@ -141,11 +201,13 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     # After disable_dropout: train.adapter.dropout is the adapters' own, asked for explicitly.
     check_adapter_settings(settings.adapter, settings, hf, objective.head)
     adapter = attach_adapter(hf, settings.adapter, objective.head) if settings.adapter else None
-    if settings.activation_checkpointing:
-        hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    enable_activation_checkpointing(hf, settings if auto_layers is None
+                                    else replace(settings, activation_checkpointing=auto_layers))
     module.to(env.device)
     masters = None
-    if compute_dtype(settings) != torch.float32:
+    if compute_dtype(settings) != torch.float32 and settings.optimizer_state == "bf16_sr_8bit":
+        module.to(dtype=compute_dtype(settings))   # no master: the bf16 weights are the only copy
+    elif compute_dtype(settings) != torch.float32:
         # The fp32 values become the optimizer's masters (it makes its own copies). `.to(dtype)` gives each
         # parameter new bf16 data and these views keep the old fp32 storage alive until then: no extra copy.
         masters = {id(p): p.detach() for p in module.parameters()}
@@ -157,10 +219,6 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     kernel_warmup_s = warm_up_fused_kernels(hf, env.device, torch.bfloat16 if mixed else torch.float32,
                                             torch.float32 if settings.precision == "autocast" else None)
     startup.mark("kernel_warmup")
-    plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
-                          global_batch_pairs=settings.global_batch_pairs,
-                          micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
-    startup.mark("plan")
     model = wrap_model(module, hf, settings, env)
     startup.mark("wrap")
     optimizer = build_optimizer(module, settings, env, masters)   # after wrapping: FSDP2 replaces the parameters
@@ -168,7 +226,8 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     del masters
     run = Run(objective, settings, env, module, hf, model, optimizer,
               LRSchedule(settings, len(plans)), plans, train_pairs, probe_pairs, Path(out_dir),
-              sum(p.numel() for p in module.parameters()), kernel_warmup_s, TrainState(), adapter=adapter)
+              sum(p.numel() for p in module.parameters()), kernel_warmup_s, TrainState(), adapter=adapter,
+              memory_plan=memory)
     if ckpt.directory is not None or ckpt.resume not in ("auto", "never"):
         # Rank 0's header (the reference digest is computed there only); every rank names files by it.
         box = [run_header(objective, settings, env, hf, train_pairs, probe_pairs, ckpt.reference)
@@ -276,6 +335,10 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     if settings.save_every and ckpt.directory is None:
         raise TrainConfigError(f"train.save_every = {settings.save_every} needs a checkpoint directory "
                                "(--checkpoint-dir, outside the stage's declared outputs)")
+    # The plan from the counts, before any weight is loaded: refused when no step would train, else its warnings.
+    for warning in check_plan(len(train_pairs), settings, env.world_size):
+        if env.is_main:
+            log.warning("%s", warning)
     if env.is_main:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     run = build_run(objective, settings, env, model_dir, train_pairs, probe_pairs, out_dir, ckpt)
@@ -332,7 +395,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     t_probe = time.perf_counter()
     probe(run, "final")
     t_export = time.perf_counter()
-    if isinstance(run.optimizer, MasterWeightAdamW):
+    if isinstance(run.optimizer, MasterWeightAdamW) or getattr(run.optimizer, "master_params", None) is not None:
         # Export the fp32 masters (what was trained), not their bf16 working copies.
         with torch.no_grad():
             run.module.float()
@@ -363,6 +426,7 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "fused_kernels": dict(getattr(run.hf, "prefpipe_fused_kernels", {})),
         **({"reward_scoring": run.objective.scoring_info(run.hf)} if run.objective.head == "score" else {}),
         "settings": settings.record(),
+        **({"memory_plan": run.memory_plan} if run.memory_plan is not None else {}),
         **({"adapter": run.adapter.info()} if run.adapter is not None else {}),
         "model_parameters": run.n_params,
         "train_pairs": len(run.train_pairs),

@@ -3,6 +3,8 @@
 - AdamW (torch's fused kernel, on CUDA and CPU) over the module's parameters, weight decay on matrices only;
 - MasterWeightAdamW: AdamW over fp32 master copies of bf16 weights (train.precision bf16);
 - the flat Triton AdamW of the CUDA-graph path lives in stages/engine/flat_adamw.py (it takes one of these over);
+- the low-precision modes of train.optimizer.state (LowBitAdamW, stages/engine/lowbit_adamw.py), built here;
+- fused_backward: each parameter's step inside backward (FusedBackwardStep), and the refusals of what it cannot do;
 - LRSchedule: HF-style warmup + cosine/linear/constant, set directly on the groups each step;
 - adamw_step_lr_tensor: the fused AdamW update reading its learning rate from a device tensor (capturable).
 """
@@ -14,7 +16,8 @@ import torch
 from torch import nn
 
 from stages.engine.dist import DistEnv
-from stages.engine.settings import TrainSettings
+from stages.engine.lowbit_adamw import LowBitAdamW
+from stages.engine.settings import TrainConfigError, TrainSettings
 
 
 class MasterWeightAdamW(torch.optim.AdamW):
@@ -91,6 +94,11 @@ def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv,
     # AMD EPYC and an Intel Xeon. The fused kernel is an ATen kernel, the same on every x86-64 CPU
     # under ATEN_CPU_CAPABILITY=default (tests/test_portable_numerics.py replays it under an emulated AMD CPU).
     kw = dict(lr=settings.lr, betas=settings.adam_betas, fused=env.device.type in ("cuda", "cpu"))
+    if settings.optimizer_state != "exact":
+        # masters: only fp32_master_8bit over bf16 weights keeps them (bf16_sr_8bit is master-free; FSDP2's fp32
+        # shards and autocast's fp32 weights are the masters themselves)
+        return LowBitAdamW(groups, settings.optimizer_state, settings.seed, rank=env.rank,
+                           masters=masters if settings.optimizer_state == "fp32_master_8bit" else None, **kw)
     if masters is not None:
         return MasterWeightAdamW(groups, masters, **kw)
     return torch.optim.AdamW(groups, **kw)
@@ -128,6 +136,15 @@ class LRSchedule:
         return lr
 
 
+def fp32_grad_norm(params) -> torch.Tensor:
+    """The gradients' 2-norm, each tensor's accumulated in fp32 whatever its dtype (a bf16 norm keeps 3 digits),
+    combined as clip_grad_norm_ does; sharded (DTensor) gradients through clip_grad_norm_ itself, unscaled."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(hasattr(g, "to_local") for g in grads):
+        return total_grad_norm([p for p in params if p.grad is not None], 0)
+    return torch.linalg.vector_norm(torch.stack([torch._foreach_norm([g.float()], 2)[0] for g in grads]), 2)
+
+
 def total_grad_norm(params, max_norm: float) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm if max_norm > 0 else float("inf"))
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
@@ -158,3 +175,102 @@ def adamw_step_lr_tensor(optimizer: torch.optim.AdamW, lrs: list[torch.Tensor],
                          found_inf=None, has_complex=False, amsgrad=False, beta1=group["betas"][0],
                          beta2=group["betas"][1], lr=lr, weight_decay=group["weight_decay"], eps=group["eps"],
                          maximize=False)
+
+
+def check_optimizer_settings(settings: TrainSettings, world_size: int, max_micro_batches: int,
+                             largest_step_tokens: int) -> None:
+    """Refuse, before any weight is read, what train.optimizer cannot do (one line naming the settings)."""
+    state = settings.optimizer_state
+    if state == "bf16_sr_8bit" and settings.precision != "bf16":
+        raise TrainConfigError(f"train.optimizer.state bf16_sr_8bit updates the bf16 weights themselves (no fp32 "
+                               f"master): it needs train.precision: bf16 (this run: {settings.precision})")
+    if not settings.fused_backward:
+        return
+    if settings.max_grad_norm > 0:
+        raise TrainConfigError(f"train.optimizer.fused_backward steps each parameter as soon as its gradient is "
+                               f"complete, before the global gradient norm exists: set train.max_grad_norm: 0 "
+                               f"(now {settings.max_grad_norm}) or fused_backward: false")
+    if world_size > 1:
+        raise TrainConfigError(f"train.optimizer.fused_backward needs the reduced gradient inside backward, and "
+                               f"{settings.parallel} reduces after the whole backward ({world_size} processes): "
+                               "use one process or fused_backward: false")
+    if max_micro_batches > 1:
+        raise TrainConfigError(f"train.optimizer.fused_backward consumes each gradient at once, so it cannot "
+                               f"accumulate micro-batches: this plan packs up to {max_micro_batches} micro-batches "
+                               f"into an optimizer step; set train.micro_batch_tokens >= {largest_step_tokens} (the "
+                               "largest step's tokens), lower train.global_batch_pairs, or fused_backward: false")
+
+
+class FusedBackwardStep:
+    """train.optimizer.fused_backward: a post-accumulate-grad hook on every trainable model parameter runs that
+    parameter's AdamW step as soon as its gradient is complete and frees the gradient, so no gradient outlives
+    its step (no persistent gradient buffer). The same per-element update as the optimizer's own step: exact mode
+    through torch's fused AdamW on the one parameter (bitwise what optimizer.step() does with no clip and one
+    micro-batch), the low-bit modes through LowBitAdamW.step_param. grad_norm(): the gradients' norm for the log
+    (no clip: refused by check_optimizer_settings)."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, module: nn.Module):
+        self.optimizer = optimizer
+        params = [p for p in module.parameters() if p.requires_grad]
+        # the order the unfused step combines the norms in: the masters' (group) order, else the module's
+        order = optimizer.model_params if isinstance(optimizer, MasterWeightAdamW) else params
+        self._index = {id(p): i for i, p in enumerate(order)}
+        self._norms: dict[int, torch.Tensor] = {}
+        self._target, self._group = {}, {}
+        masters = getattr(optimizer, "master_params", None)
+        model_params = getattr(optimizer, "model_params", None)
+        if isinstance(optimizer, LowBitAdamW):
+            optimizer.prepare_fused()
+        else:
+            to_opt = dict(zip(map(id, model_params), masters)) if masters is not None else {}
+            for g in optimizer.param_groups:
+                for t in g["params"]:
+                    self._group[id(t)] = g
+            for p in params:
+                self._target[id(p)] = to_opt.get(id(p), p)
+        self.handles = [p.register_post_accumulate_grad_hook(self._hook) for p in params]
+
+    def begin(self) -> None:
+        self._norms.clear()
+        if isinstance(self.optimizer, LowBitAdamW):
+            self.optimizer.begin_step()
+
+    @torch.no_grad()
+    def _hook(self, p: torch.Tensor) -> None:
+        # per-tensor fp32 norms, combined in parameter order at the end: clip_grad_norm_'s arithmetic, so the logged
+        # norm is the unfused step's to the bit
+        g32 = p.grad.float()
+        self._norms[self._index[id(p)]] = (torch._foreach_norm([g32], 2)[0] if isinstance(self.optimizer, LowBitAdamW)
+                                           else torch.nn.utils.get_total_norm([g32], 2.0))
+        if isinstance(self.optimizer, LowBitAdamW):
+            self.optimizer.step_param(p)
+        else:
+            target = self._target[id(p)]
+            if target is not p:
+                target.grad = p.grad.float()
+            _adamw_one(self.optimizer, target, self._group[id(target)])
+            if target is not p:
+                p.copy_(target)
+                target.grad = None
+        p.grad = None
+
+    def grad_norm(self) -> torch.Tensor:
+        return torch.linalg.vector_norm(torch.stack([self._norms[i] for i in sorted(self._norms)]), 2)
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+
+
+def _adamw_one(optimizer: torch.optim.AdamW, p: torch.Tensor, group: dict) -> None:
+    """torch's fused AdamW step of one parameter, with the state AdamW(fused=True) creates."""
+    from torch.optim.adamw import adamw as functional_adamw
+    state = optimizer.state[p]
+    if not state:
+        state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    functional_adamw([p], [p.grad], [state["exp_avg"]], [state["exp_avg_sq"]], [], [state["step"]], foreach=False,
+                     capturable=False, differentiable=False, fused=True, grad_scale=None, found_inf=None,
+                     has_complex=False, amsgrad=False, beta1=group["betas"][0], beta2=group["betas"][1], lr=group["lr"],
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)

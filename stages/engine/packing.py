@@ -224,6 +224,19 @@ def epoch_order(n_pairs: int, seed: int, epoch: int) -> np.ndarray:
     return np.random.Generator(np.random.PCG64([seed, epoch])).permutation(n_pairs)
 
 
+def epoch_sizes(n_pairs: int, epochs: float) -> list[int]:
+    """Pairs trained in each epoch: all of them, and a fractional last epoch's share (at least one)."""
+    sizes = [n_pairs] * int(math.floor(epochs))
+    if epochs > math.floor(epochs):
+        sizes.append(max(1, math.ceil((epochs - math.floor(epochs)) * n_pairs)))
+    return sizes
+
+
+def planned_steps(n_pairs: int, epochs: float, global_batch_pairs: int) -> int:
+    """len(plan_training(...)) from the counts alone (no packing): known before anything is loaded."""
+    return sum(math.ceil(size / global_batch_pairs) for size in epoch_sizes(n_pairs, epochs)) if n_pairs else 0
+
+
 def plan_training(pair_tokens: np.ndarray, *, epochs: float, global_batch_pairs: int, world_size: int,
                   micro_batch_tokens: int, seed: int) -> list[StepPlan]:
     """Every optimizer step of the run. A fractional last epoch takes the first part of its shuffle;
@@ -231,11 +244,8 @@ def plan_training(pair_tokens: np.ndarray, *, epochs: float, global_batch_pairs:
     n = len(pair_tokens)
     if n == 0:
         raise ValueError("no training pairs")
-    epoch_sizes = [n] * int(math.floor(epochs))
-    if epochs > math.floor(epochs):
-        epoch_sizes.append(max(1, math.ceil((epochs - math.floor(epochs)) * n)))
     steps: list[StepPlan] = []
-    for epoch, size in enumerate(epoch_sizes):
+    for epoch, size in enumerate(epoch_sizes(n, epochs)):
         order = epoch_order(n, seed, epoch)[:size].tolist()
         for start in range(0, size, global_batch_pairs):
             chunk = order[start:start + global_batch_pairs]

@@ -39,22 +39,48 @@ class TrainSettings:
     precision: str                     # GPU: autocast = fp32 weights + bf16 autocast; bf16 = bf16 weights, fp32 master
     share_prompt: bool                 # compute a pair's shared prompt once (packing.PackedBatch)
     cuda_graphs: int                   # GPU, one process: at most N padded batch shapes replayed as CUDA graphs
-    activation_checkpointing: bool
+    activation_checkpointing: bool | int | str   # false / true / the first N decoder layers / auto (memory plan)
     save_every: int                    # checkpoint every N optimizer steps (and after the last); 0 = never
     keep_checkpoints: int              # complete checkpoints of a run kept on disk (the newest ones)
     adapter: dict | None = None        # None = full fine-tuning; {type: lora, ...}: stages/engine/adapters.py
+    # None = {state: exact, fused_backward: false}; else normalized to both keys (__post_init__).
+    optimizer: dict | None = None
 
     def __post_init__(self):
         if self.temperature != 1.0:
             raise TrainConfigError(f"train.temperature = {self.temperature}: log-probs, DPO rewards and reference "
                                    "log-probs are defined at temperature 1; other values are refused")
+        if self.optimizer is not None:
+            opt = {"state": "exact", "fused_backward": False, **self.optimizer}
+            # The default spelled out is the default: the same record and checkpoint fingerprint as no key at all.
+            object.__setattr__(self, "optimizer", None if opt == {"state": "exact", "fused_backward": False} else opt)
+
+    @property
+    def optimizer_state(self) -> str:
+        """train.optimizer.state: exact | fp32_master_8bit | bf16_sr_8bit."""
+        return (self.optimizer or {}).get("state", "exact")
+
+    @property
+    def fused_backward(self) -> bool:
+        return bool((self.optimizer or {}).get("fused_backward", False))
+
+    def checkpointed_layers(self, n_layers: int) -> int:
+        """How many of the model's n_layers decoder layers (the first ones) recompute their activations (auto: 0
+        here; the loop resolves it from the memory plan, loop.plan_memory)."""
+        ac = self.activation_checkpointing
+        if ac == "auto":
+            return 0
+        if isinstance(ac, bool):
+            return n_layers if ac else 0
+        return min(int(ac), n_layers)
 
     def record(self) -> dict:
         """The settings as a JSON-able dict (run_info, checkpoint header); `adapter` only when set, so a full
         fine-tune's record is what it was before adapters existed."""
         out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-        if out["adapter"] is None:
-            del out["adapter"]
+        for optional in ("adapter", "optimizer"):     # absent when unset: the default record stays as it was
+            if out[optional] is None:
+                del out[optional]
         return out
 
     @classmethod
@@ -70,4 +96,5 @@ class TrainSettings:
         from stages.lib.params import resolved_train
         train = resolved_train(params["train"])   # adapter: absent = None; a LoRA block's omitted keys filled
         train["adam_betas"] = tuple(float(b) for b in train["adam_betas"])
+        train.setdefault("optimizer", None)    # optional key: absent = exact AdamW, stepped after backward
         return cls(**{f.name: train[f.name] for f in fields(cls)})

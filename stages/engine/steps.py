@@ -42,7 +42,9 @@ from torch import nn
 
 from stages.engine.data import filler_batch, model_inputs
 from stages.engine.dist import DistEnv, autocast, gradient_sync
-from stages.engine.optim import MasterWeightAdamW, adamw_step_lr_tensor, total_grad_norm
+from stages.engine.lowbit_adamw import LowBitAdamW
+from stages.engine.optim import (FusedBackwardStep, MasterWeightAdamW, adamw_step_lr_tensor, fp32_grad_norm,
+                                 total_grad_norm)
 from stages.engine.settings import TrainSettings
 from stages.engine.packing import (MicroBatch, PackedBatch, TokenPairs, batch_dims, plan_padded_shapes,
                                 shared_prompt_flags)
@@ -74,8 +76,14 @@ def cuda_graphs_unavailable(settings: TrainSettings, env: DistEnv) -> str | None
         return f"train.parallel is {settings.parallel} (its collectives are not captured)"
     if settings.compile:
         return "train.compile is on"
-    if settings.activation_checkpointing:
-        return "train.activation_checkpointing is on"
+    # Activation checkpointing is captured: the layers recompute without saving or restoring RNG state
+    # (loop.enable_activation_checkpointing; dropout is off, and adapter dropout is refused just below).
+    if settings.fused_backward:
+        return "train.optimizer.fused_backward (its per-parameter steps run in backward hooks, eagerly)"
+    if settings.optimizer_state != "exact":
+        from stages.engine import kernels
+        if kernels.triton is None:
+            return f"train.optimizer.state {settings.optimizer_state} graphs through Triton, which is not importable"
     if settings.adapter and settings.adapter["dropout"] > 0:
         return "train.adapter.dropout > 0 (the dropout masks' RNG is not captured)"
     return None
@@ -89,10 +97,13 @@ class EagerSteps:
     pad_to = None
 
     def __init__(self, model, objective, optimizer, settings: TrainSettings, env: DistEnv, filler: PackedBatch,
-                 reason: str):
+                 reason: str, module: nn.Module | None = None):
         self.model, self.objective, self.optimizer, self.settings, self.env = model, objective, optimizer, settings, env
         self.filler = filler
         self.info = {"enabled": False, "reason": reason}
+        # train.optimizer.fused_backward: the step runs inside backward (one micro-batch a step, no clip, one
+        # process: optim.check_optimizer_settings refused the rest before the model was loaded)
+        self.fused = FusedBackwardStep(optimizer, module if module is not None else model) if settings.fused_backward else None
 
     def loop_context(self):
         return contextlib.nullcontext()
@@ -101,22 +112,38 @@ class EagerSteps:
         """One optimizer step: this rank's n_mine batches (then fillers up to n_micro) -> [metric sums..., grad norm]."""
         env, settings, optimizer = self.env, self.settings, self.optimizer
         sums = torch.zeros(len(self.objective.metric_names), dtype=torch.float64, device=env.device)
+        if self.fused is not None:
+            self.fused.begin()
         for k in range(n_micro):
             batch = next(batches).to(env.device, non_blocking=True) if k < n_mine else self.filler
             with gradient_sync(self.model, settings, enabled=k == n_micro - 1):
                 forward_backward(self.model, self.objective, settings, env, batch, scale, sums)
-        if isinstance(optimizer, MasterWeightAdamW):
-            optimizer.grads_to_master()        # clip the fp32 master gradients
-            grad_norm = total_grad_norm(optimizer.master_params, settings.max_grad_norm)
+        if self.fused is not None:             # every parameter was stepped inside backward
+            grad_norm = self.fused.grad_norm()
+            torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+        elif isinstance(optimizer, LowBitAdamW):
+            # the norm of the model's gradients, unscaled (max_norm 0 = none); the clip divides inside the update
+            grad_norm = fp32_grad_norm(list(self.model.parameters()))
+            torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+            divisor = (1.0 / torch.clamp(settings.max_grad_norm / (grad_norm + 1e-6), max=1.0)
+                       if settings.max_grad_norm > 0 else None)
+            optimizer.step(grad_divisor=divisor)
+            optimizer.zero_grad(set_to_none=True)
         else:
-            grad_norm = total_grad_norm(self.model.parameters(), settings.max_grad_norm)
-        torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+            if isinstance(optimizer, MasterWeightAdamW):
+                optimizer.grads_to_master()        # clip the fp32 master gradients
+                grad_norm = total_grad_norm(optimizer.master_params, settings.max_grad_norm)
+            else:
+                grad_norm = total_grad_norm(self.model.parameters(), settings.max_grad_norm)
+            torch._assert_async(torch.isfinite(grad_norm), "non-finite gradient norm")
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(sums)
         return torch.cat([sums, grad_norm.detach().reshape(1).to(sums)])
 
     def finish(self) -> dict:
+        if self.fused is not None:
+            self.fused.remove()
         return self.info
 
 
@@ -183,10 +210,21 @@ class GraphedSteps:
         self.sums = torch.zeros(len(objective.metric_names), dtype=torch.float64, device=device)
         self.row = torch.zeros(len(objective.metric_names) + 1, dtype=torch.float64, device=device)
         self.lrs = [torch.zeros((), dtype=torch.float32, device=device) for _ in optimizer.param_groups]
-        from stages.engine.flat_adamw import FlatMasterAdamW
-        why_not_flat = FlatMasterAdamW.unsupported(optimizer)
-        self.flat = FlatMasterAdamW(optimizer, settings.max_grad_norm) if why_not_flat is None else None
-        flat_warmup_s = FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype) if self.flat else 0.0
+        from stages.engine.flat_adamw import FlatLowBitAdamW, FlatMasterAdamW
+        if isinstance(optimizer, LowBitAdamW):      # the low-bit modes step only through their flat kernel
+            why_not_flat = FlatLowBitAdamW.unsupported(optimizer)
+            if why_not_flat is not None:
+                raise RuntimeError(f"train.optimizer.state {optimizer.state_mode} under CUDA graphs: {why_not_flat}")
+            self.flat = FlatLowBitAdamW(optimizer, settings.max_grad_norm)
+            dtype = optimizer.model_params[0].dtype
+            flat_warmup_s = FlatLowBitAdamW.warm_up(device, dtype, optimizer.master_params is not None,
+                                                    optimizer.state_mode == "bf16_sr_8bit" and dtype == torch.bfloat16)
+            kind = "flat_triton_adamw_8bit"
+        else:
+            why_not_flat = FlatMasterAdamW.unsupported(optimizer)
+            self.flat = FlatMasterAdamW(optimizer, settings.max_grad_norm) if why_not_flat is None else None
+            flat_warmup_s = FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype) if self.flat else 0.0
+            kind = "flat_triton_adamw"
         self.graphs = StepGraphs(
             device, fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, self.scale, self.sums),
             optimizer_step=lambda: graphed_optimizer_step(optimizer, module, settings, self.lrs, self.sums, self.row,
@@ -194,7 +232,7 @@ class GraphedSteps:
         self.info = {"enabled": True, "shapes": [asdict(s) for s in shapes],
                      "padded_tokens": int(sum(s.tokens for s in self.pad_to)),
                      "real_tokens": int(sum(d.tokens for d in dims)),
-                     "optimizer": ({"kind": "flat_triton_adamw", "warmup_seconds": round(flat_warmup_s, 3)}
+                     "optimizer": ({"kind": kind, "warmup_seconds": round(flat_warmup_s, 3)}
                                    if self.flat else {"kind": "torch_fused_adamw", "why_not_flat": why_not_flat})}
         self.graphs.stream.wait_stream(torch.cuda.current_stream(device))   # the model and state were made there
 
@@ -233,7 +271,7 @@ def make_steps(model, module, hf, objective, optimizer, settings: TrainSettings,
     if reason is None:
         return GraphedSteps(model, module, hf, objective, optimizer, settings, env, pairs, micro_batches, n_params)
     return EagerSteps(model, objective, optimizer, settings, env, filler_batch(pairs, settings.share_prompt).to(env.device),
-                      reason)
+                      reason, module)
 
 
 # ----------------------------------------------------------------------------------------------

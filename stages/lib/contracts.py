@@ -116,6 +116,12 @@ PROBE_MANIFEST_SCHEMA = {
         "excluded_from_train": {"type": "array", "items": {
             "type": "object", "required": ["pair_id", "reason"],
             "properties": {"pair_id": {"type": "string"}, "reason": {"type": "string"}}}},
+        # The tokenizer and limits the probe was drawn to fit (tokenize holds its own to them), and the pairs the
+        # walk passed over for not fitting.
+        "fit": {"type": "object", "required": ["tokenizer_identity", "limits", "skipped", "skipped_by_reason"],
+                "properties": {"tokenizer_identity": {"type": "string"}, "limits": {"type": "object"},
+                               "skipped": {"type": "integer", "minimum": 0},
+                               "skipped_by_reason": {"type": "object"}}},
     },
 }
 

@@ -2,7 +2,7 @@
 
 `python -m stages.report` writes a bundle with these functions and `report verify` (stages/lib/evidence_verify.py)
 recomputes the derived members with the very same ones, then compares bytes: summary.md from the packed metrics,
-bootstrap summary and params; curves/*.png from the packed train logs; environment.json from the environment record
+bootstrap summary, train logs, run records and params; curves/*.png from the packed train logs; environment.json from the environment record
 and the runs' run_info.json; the manifest's `evaluation` map from the packed paths.
 
 Bundle layout (every member under `evidence/`):
@@ -34,6 +34,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stages.lib.io import MD5, SHA256, hash_bytes, hash_file
+from stages.lib.training_plan import plan_warnings
 
 BUNDLE_ROOT = "evidence"
 MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
@@ -287,8 +288,9 @@ def _f(x: float) -> str:
 
 
 def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict,
-                   records: dict | None = None) -> str:
-    """summary.md: the metrics table, then what ran (`records`: stages.lib.evidence_records.bundle_records of the
+                   train_logs: dict[str, dict[str, list[float]]] | None = None, records: dict | None = None) -> str:
+    """summary.md: the metrics table, the implicit reward scored, the plan's warnings (from each run's train log
+    columns by label, read_train_log), then what ran (`records`: stages.lib.evidence_records.bundle_records of the
     bundle's members: sources, tokenize, reference, training, per-source accuracy for mixtures), then the curves."""
     from stages.lib.evidence_records import summary_sections
     ev = params["evaluate"]
@@ -310,6 +312,15 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
             f"{_f(s0['mean_margin'])} -> {_f(fi['mean_margin'])} |")
     lines += ["", "Accuracy counts a tie as 0.5; for DPO it is the implicit reward accuracy. "
               "Training helped when the improvement's lower bound is above 0.", ""]
+    rewards = [f"{label}: {m['implicit_reward']}" for label, m in sorted(metrics.items()) if "implicit_reward" in m]
+    if rewards:     # absent: DPO's summed-log-prob reward (docs/DPO_LOSSES.md "probe reward")
+        lines += [f"Implicit reward scored, as dpo.loss declares it: {', '.join(rewards)} (beta * the per-token "
+                  "mean log-prob ratio).", ""]
+    warnings = [f"- {label}: {w}" for label, cols in sorted((train_logs or {}).items())
+                for w in plan_warnings(len(cols.get("step", [])), _all_in_warmup(cols, params),
+                                       params["train"]["warmup_ratio"])]
+    if warnings:
+        lines += ["## Warnings", "", *warnings, ""]
     if records is not None:
         lines += summary_sections(records, params)
     if curves:
@@ -317,6 +328,12 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
         for name in curves:
             lines += [f"![{name}](curves/{name})", ""]
     return "\n".join(lines)
+
+
+def _all_in_warmup(cols: dict[str, list[float]], params: dict) -> bool:
+    """No logged step reached train.lr (every step inside the warmup; after it, the schedule starts at train.lr)."""
+    lrs = cols.get("lr") or []
+    return bool(lrs) and max(lrs) < params["train"]["lr"]
 
 
 def metrics_label(path: str) -> str:

@@ -442,3 +442,31 @@ def load_verified_dir(identity_path: str | os.PathLike, expect_digest: str | Non
     return root.resolve()
 
 
+
+
+# ========================================================================================= positions
+
+# The config.json keys that give a causal LM's number of positions: `max_position_embeddings` (Llama, Qwen2,
+# Mistral, ...; transformers maps GPT-2's to `n_positions`, which GPT-2, GPT-J and CodeGen configs spell); a
+# multimodal config holds its language model's in `text_config`.
+POSITION_KEYS = ("max_position_embeddings", "n_positions")
+
+
+def max_positions(ref_dir: str | os.PathLike) -> tuple[int, str, Path] | None:
+    """(positions, the key they were read from, the config file) of the reference model in ref_dir; None when
+    the directory has no readable config.json or it names no POSITION_KEYS (then nothing bounds max_length: a
+    missing or broken config is verify_ref's and the loaders' to refuse)."""
+    path = Path(ref_dir) / CONFIG_FILE
+    try:
+        config = read_json(path)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(config, dict):
+        return None
+    text_config = config.get("text_config")
+    for node, prefix in ((config, ""), (text_config if isinstance(text_config, dict) else {}, "text_config.")):
+        for key in POSITION_KEYS:
+            value = node.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value, prefix + key, path
+    return None

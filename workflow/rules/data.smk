@@ -1,10 +1,10 @@
-# Data stages: raw sources -> canonical pairs -> frozen probe + train split.
+# Data stages: raw sources -> canonical pairs -> frozen probe + train split (the probe fitting the tokenize limits).
 
-# The stage module owns the expansion of a source's glob / directory into its files: these inputs
+# The data package owns the expansion of a source's glob / directory into its files: these inputs
 # (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads. (common.smk puts
 # the repository on sys.path; the Snakefile's pre-flight has refused a source naming no data file.)
 from stages.lib.io import data_location
-from stages.normalize import resolve_source_files
+from stages.data.sources import resolve_source_files
 
 
 rule normalize:
@@ -31,10 +31,13 @@ rule normalize:
         " --rejections {output.rejections} --stats {output.stats} --log {log}"
 
 
+# The probe is drawn from pairs that fit the tokenize limits under the reference's tokenizer (the probe is scored
+# whole), so freeze_probe reads the verified identity (verify_ref, reference.smk) and the limits tokenize uses.
 rule freeze_probe:
     input:
         environment=ENV_RECORD,
         pairs=rules.normalize.output.pairs,
+        identity=OUT["verify_ref"]["identity"],
         code=code_deps("stages.freeze_probe"),
     output:
         train=OUT["freeze_probe"]["train"],
@@ -42,6 +45,9 @@ rule freeze_probe:
         manifest=OUT["freeze_probe"]["manifest"],
     params:
         probe=config["probe"],
+        tokenize__max_length=config["tokenize"]["max_length"],
+        tokenize__max_prompt_length=config["tokenize"]["max_prompt_length"],
+        tokenize__truncation=config["tokenize"]["truncation"],
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -49,5 +55,6 @@ rule freeze_probe:
     benchmark:
         f"{LOGS}/benchmarks/freeze_probe.tsv"
     shell:
-        "python -m stages.freeze_probe --params params.yaml --pairs {input.pairs} --train {output.train}"
+        "python -m stages.freeze_probe --params params.yaml --pairs {input.pairs} --identity {input.identity}"
+        " --train {output.train}"
         " --probe {output.probe} --manifest {output.manifest} --log {log}"
