@@ -473,7 +473,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
         "summary": (lambda m: _replace_text(m, "evidence/summary.md", f"{dpo_row.split(' | ')[1]} | {final} [",
                                             f"{dpo_row.split(' | ')[1]} | 0.9900 ["),
                     "DIFFERS  evidence/summary.md: not what report writes from the bundle's metrics, bootstrap "
-                    f"summary, run records and params: line 8: bundle '| dpo | "),
+                    f"summary, train logs, run records and params: line 8: bundle '| dpo | "),
         "params": (lambda m: _replace_text(m, "evidence/params.yaml", "lr: 0.0003", "lr: 0.001"),
                    "DIFFERS  evidence/params.yaml (dpo run): train.lr: params.yaml 0.001, the dpo run trained with 0.0003"),
         # a knob the runs do not record, but the probe manifests do

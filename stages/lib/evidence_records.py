@@ -120,7 +120,8 @@ def per_source_accuracy(records: dict, params: dict) -> dict[str, dict[str, dict
             if not len(idx):
                 out[label][name] = {"n_pairs": 0}
                 continue
-            s0, fi = ({k: v[idx] for k, v in s.items()} for s in scored)
+            # (the arrays; a DPO score also names its implicit reward, one string for the file)
+            s0, fi = ({k: v[idx] for k, v in s.items() if isinstance(v, np.ndarray)} for s in scored)
             acc = scoring.paired_bootstrap(s0, fi, ev["bootstrap_replicates"], ev["seed"], ev["confidence"])["accuracy"]
             out[label][name] = {"n_pairs": int(len(idx)), "step0": acc["step0"]["point"], "final": acc["final"]["point"],
                                 "final_ci": [acc["final"]["ci_low"], acc["final"]["ci_high"]],
