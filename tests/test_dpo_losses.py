@@ -28,7 +28,8 @@ from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, referen
                             write_token_parquet)
 from stages.engine.dpo_losses import dpo_pair_losses
 from stages.engine.dpo_objective import DPOObjective
-from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, pad_packed_batch, plan_training
+from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, plan_training
+from stages.engine.padded_shapes import pad_packed_batch
 from stages.lib.params import ParamsError, load_params, validate_params
 
 REPO = Path(__file__).resolve().parents[1]

@@ -113,7 +113,7 @@ def _cdpo(z: torch.Tensor, eps: float) -> torch.Tensor:
 def _sorted_valid(x: torch.Tensor, valid: torch.Tensor | None) -> torch.Tensor:
     """x sorted ascending over the micro-batch, padding pairs (valid False) pushed to the end as the same
     large finite value in every sorted vector (their differences are 0, hence finite; pair_weight is 0 there,
-    since a padded batch keeps its real pairs first: packing.pad_packed_batch). Fixed shape, no host sync."""
+    since a padded batch keeps its real pairs first: padded_shapes.pad_packed_batch). Fixed shape, no host sync."""
     if valid is not None:
         x = torch.where(valid, x, torch.finfo(x.dtype).max)
     return torch.sort(x, dim=0).values
