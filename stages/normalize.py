@@ -40,7 +40,7 @@ from stages.data.sources import BLANK, SourceError, SourceRow, iter_source_rows,
 from stages.data.spill import PairSpill, TableSink
 from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIRS_SCHEMA, content_hash
-from stages.lib.io import ParquetStreamWriter, write_json
+from stages.lib.io import ParquetStreamWriter, data_location, write_json
 from stages.lib.params import ParamsError, load_params
 
 # Every reason code of rejections.parquet: what a row's parse can end with (stages/data/formats), then this
@@ -76,7 +76,7 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".", out: Norm
                 "pairs_out": 0, "rejected": dict.fromkeys(REASONS, 0), "parsed_as": {}, "files": []}
         first_rejection: list[str] = []
         for path in files:
-            rows = iter_source_rows(Path(base_dir) / path if not Path(path).is_absolute() else path)
+            rows = iter_source_rows(Path(base_dir) / data_location(path, base_dir))
             file_stat = {"path": path, "rows": 0}
             stat["files"].append(file_stat)
             _normalize_file(rows, spec, path, stat, file_stat, out, first_seen, first_rejection)

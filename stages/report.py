@@ -47,7 +47,11 @@ from stages.lib.evidence import (BUNDLE_ROOT, FORMAT, EvidenceError, build_envir
                                  deterministic_targz, dvc_hash, dvc_hashes, evaluation_map, json_bytes,
                                  metrics_label, portable_params_text, portable_path, read_train_log,
                                  render_curves_png, render_summary)
-from stages.lib.io import atomic_path, sha256_bytes, write_text
+from stages.lib.evidence_records import PROBE_SOURCES, RECORDS, bundle_records, portable_record, probe_sources_record
+from stages.lib.io import atomic_path, data_location, sha256_bytes, write_text
+from stages.lib.layout import STAGE_OUTPUTS
+
+RECORD_ROLES = set(RECORDS.values())
 from stages.lib.params import ParamsError, load_params
 
 PACKABLE_SUFFIXES = {".json", ".jsonl", ".csv"}
@@ -170,6 +174,10 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
             packed[rel] = role
     hashed_only = {relative_artifact_path(p): "artifact" for p in artifacts}
     hashed_only.update({relative_artifact_path(p): "run_info" for p in run_infos.values()})
+    # The run's small JSON records are packed whole (stages/lib/evidence_records.py), not only hashed.
+    for rel in [rel for rel in hashed_only if rel in RECORDS]:
+        del hashed_only[rel]
+        packed[rel] = RECORDS[rel]
 
     rels = sorted(set(packed) | set(hashed_only))
     for rel in rels:    # refused before any hashing, as dvc_hash would refuse it one by one
@@ -181,25 +189,32 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
         raise ReportError(f"{normalize_stats}: not a readable normalize_stats.json: {e}") from None
     sources = source_files(params, stats, normalize_stats)
     data_files = sorted({f for files in sources for f in files})
-    for f in data_files:
-        if not _path(f, cwd).is_file():
+    # Where each is on disk: a file outside the repository beside the workspace, also from DVC's experiment copy.
+    located = [_path(data_location(f, cwd or "."), cwd) for f in data_files]
+    for f, where in zip(data_files, located):
+        if not where.is_file():
             raise ReportError(f"{f}: a data source file normalize read does not exist (rerun normalize)")
     # Hash in background threads while the curves render (matplotlib holds the GIL; hashlib mostly not).
     from concurrent.futures import ThreadPoolExecutor
     background = ThreadPoolExecutor(max_workers=1)
-    hashing = background.submit(dvc_hashes, [_path(p, cwd) for p in rels + data_files])
+    hashing = background.submit(dvc_hashes, [_path(p, cwd) for p in rels] + located)
     try:
         members, curves = _members_and_curves(params_path, params, packed, run_infos, environment, train_logs, cwd)
+        members[f"{BUNDLE_ROOT}/{PROBE_SOURCES}"] = json_bytes(_probe_sources(artifacts, probe_manifests or [], cwd))
         hashes = hashing.result()
     finally:
         background.shutdown(wait=True)
-    entries = [{"path": rel, "role": packed.get(rel) or hashed_only[rel], "packed": rel in packed, **h}
+    entries = [{"path": rel, "role": packed.get(rel) or hashed_only[rel], "packed": rel in packed, **h,
+                # a record packed with its absolute paths written portably: the member is not the file's bytes
+                **({"portable": True} if rel in packed and sha256_bytes(members[f"{BUNDLE_ROOT}/artifacts/{rel}"])
+                   != h.get("sha256") else {})}
                for rel, h in zip(rels, hashes)]
     file_hash = dict(zip(data_files, hashes[len(rels):]))
     metrics_by_label = {metrics_label(p): json.loads(_read(p, cwd)) for p in metrics}
     boot = json.loads(_read(bootstrap_summary, cwd)) if bootstrap_summary else None
     summary = render_summary(metrics_by_label, boot, sorted(curves), params,
-                             {label: read_train_log(_path(p, cwd)) for label, p in train_logs.items()})
+                             {label: read_train_log(_path(p, cwd)) for label, p in train_logs.items()},
+                             bundle_records(members, BUNDLE_ROOT))
     members[f"{BUNDLE_ROOT}/summary.md"] = summary.encode("utf-8")
 
     manifest = {
@@ -229,8 +244,10 @@ def _members_and_curves(params_path: str, params: dict, packed: dict[str, str], 
                         cwd) -> tuple[dict[str, bytes], dict[str, bytes]]:
     """build_bundle's members before the summary and manifest: packed files, params, environment, curves."""
     members: dict[str, bytes] = {}
-    for rel in packed:
-        members[f"{BUNDLE_ROOT}/artifacts/{rel}"] = _read(rel, cwd)
+    for rel, role in packed.items():
+        data = _read(rel, cwd)
+        members[f"{BUNDLE_ROOT}/artifacts/{rel}"] = portable_record(rel, data, portable_path) if role in RECORD_ROLES \
+            else data
     text = _read(params_path, cwd).decode("utf-8")
     members[f"{BUNDLE_ROOT}/params.yaml"] = portable_params_text(text, params, params_path).encode("utf-8")
 
@@ -249,6 +266,22 @@ def _members_and_curves(params_path: str, params: dict, packed: dict[str, str], 
     for name, png in curves.items():
         members[f"{BUNDLE_ROOT}/curves/{name}"] = png
     return members, curves
+
+
+def _probe_sources(artifacts: list[str], probe_manifests: list[str], cwd) -> dict:
+    """probe_sources.json: the source of each probe pair (results/probe/probe.parquet), in the manifest's order."""
+    from stages.lib.io import read_parquet
+    probe = STAGE_OUTPUTS["freeze_probe"]["probe"]
+    manifest = STAGE_OUTPUTS["freeze_probe"]["manifest"]
+    if probe not in map(relative_artifact_path, artifacts) or manifest not in map(relative_artifact_path,
+                                                                                   probe_manifests):
+        raise ReportError(f"{probe} and {manifest} are needed for the probe pairs' sources (--artifacts, "
+                          "--probe-manifests)")
+    table = read_parquet(_path(probe, cwd)).select(["pair_id", "source"]).to_pydict()
+    try:
+        return probe_sources_record(json.loads(_read(manifest, cwd)), table["pair_id"], table["source"])
+    except ValueError as e:
+        raise ReportError(f"{probe}: {e}") from None
 
 
 def _path(p: str, cwd) -> Path:
@@ -278,9 +311,9 @@ VERIFY_HELP = ("Check an evidence bundle: member and artifact hashes, the pipeli
                "dvc.lock, environment compared.")
 
 
-def verify_main(argv: list[str] | None) -> int:
+def verify_main(argv: list[str] | None, prog: str = "python -m stages.report verify") -> int:
     return stage_main(argv, "report", VERIFY_HELP, add_arguments=_verify_arguments, run=_verify,
-                      params=None, log=False, prog="python -m stages.report verify")
+                      params=None, log=False, prog=prog)
 
 
 def _verify(args) -> int:

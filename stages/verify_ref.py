@@ -1,7 +1,9 @@
 """verify_ref: prove, offline, that the reference model directory is exactly the pinned snapshot.
 
     python -m stages.verify_ref verify --params params.yaml --identity results/ref/ref_identity.json --log L
-    python -m stages.verify_ref pin DIR [--repo-id NAME]      # writes DIR/prefpipe.lock.json, prints its sha256
+    python -m stages.verify_ref pin DIR [--repo-id NAME] [--write-params [PARAMS]]
+        # writes DIR/prefpipe.lock.json, prints its sha256; --write-params also sets the four ref.* keys of
+        # params.yaml (source local, repo_id, revision = that sha256, local_dir), editing only those lines
 
 Two kinds of snapshot (`ref.source` in params.yaml):
 
@@ -158,7 +160,8 @@ def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict
     lock_path = root / LOCK_NAME
     if not lock_path.is_file():
         raise RefIdentityError(f"{lock_path}: no lock file; pin the directory first: "
-                               f"python -m stages.verify_ref pin {root} --repo-id {repo_id}")
+                               f"python -m stages.verify_ref pin {root} --repo-id {repo_id} --write-params "
+                               "(also sets ref.revision)")
     raw = lock_path.read_bytes()
     lock_sha = sha256_bytes(raw)
     if revision is not None:
@@ -180,7 +183,8 @@ def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict
                                "edited by hand; re-pin it (python -m stages.verify_ref pin)")
     if lock["repo_id"] != repo_id:
         raise RefIdentityError(f"{lock_path}: pinned as repo_id {lock['repo_id']!r} but ref.repo_id is "
-                               f"{repo_id!r}: wrong directory, or set ref.repo_id to match")
+                               f"{repo_id!r}: wrong directory, or set ref.repo_id to match (`python -m "
+                               f"stages.verify_ref pin {root} --write-params` pins it and sets all four ref keys)")
     expected: dict[str, Expected] = {}
     problems: list[str] = []
     for e in files:
@@ -420,21 +424,49 @@ def _verify(args) -> int:
 
 def _pin_arguments(ap) -> None:
     ap.add_argument("dir")
-    ap.add_argument("--repo-id", default=None, help="name recorded in the lock (must equal ref.repo_id)")
+    ap.add_argument("--repo-id", default=None, help="name recorded in the lock (must equal ref.repo_id; default "
+                    "local/<the directory's name>)")
+    ap.add_argument("--write-params", nargs="?", const="params.yaml", default=None, metavar="PARAMS",
+                    help="also set ref.source, ref.repo_id, ref.revision and ref.local_dir in PARAMS (default "
+                         "params.yaml) to this pin, editing only those lines (comments and layout kept)")
     ap.add_argument("--workers", type=int, default=None)
 
 
+def ref_params_of_pin(root: str | os.PathLike, digest: str, params_path: str | os.PathLike) -> dict:
+    """The four ref.* keys that select the directory just pinned: source local, the lock's repo_id, its SHA-256 as
+    revision, and local_dir as given, or relative to the params file's directory when it lies below it (a path in
+    the checkout means the same on every machine)."""
+    root = Path(root)
+    lock = json.loads((root / LOCK_NAME).read_text(encoding="utf-8"))
+    base = Path(params_path).resolve().parent
+    try:
+        local_dir = root.resolve().relative_to(base).as_posix()
+    except ValueError:
+        local_dir = root.as_posix()
+    return {"source": "local", "repo_id": lock["repo_id"], "revision": digest, "local_dir": local_dir}
+
+
 def _pin(args) -> int:
+    from stages.lib.params import write_params_keys
     digest = pin(args.dir, args.repo_id, args.workers)
     print(digest)
-    log.info("pinned %s; to pin the lock itself set ref.revision: %s", Path(args.dir) / LOCK_NAME, digest)
+    if args.write_params is None:
+        log.info("pinned %s; to pin the lock itself set ref.revision: %s (or pin with --write-params to set the "
+                 "four ref keys)", Path(args.dir) / LOCK_NAME, digest)
+        return 0
+    ref = ref_params_of_pin(args.dir, digest, args.write_params)
+    write_params_keys(args.write_params, "ref", ref)
+    log.info("pinned %s; %s now selects it: %s", Path(args.dir) / LOCK_NAME, args.write_params,
+             ", ".join(f"ref.{k}: {v}" for k, v in ref.items()))
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str | None = None) -> int:
+    """prog: the command's name in --help (`prefpipe` for `prefpipe pin`)."""
     from stages.lib.params import ParamsError
 
     return stage_main(argv, "verify_ref", __doc__.split("\n")[0], input_errors=(RefIdentityError, ParamsError),
+                      prog=prog,
                       commands={
                           "verify": Command(_verify_arguments, _verify, help="verify ref.local_dir against its pin; "
                                             "write ref_identity.json"),

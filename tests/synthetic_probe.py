@@ -1,8 +1,9 @@
 """Synthetic inputs for evaluate/report tests, in the exact contract format of docs/ARTIFACTS.md:
-probe_manifest.json, probe_token_manifest.json (+ probe_tokens.parquet), per-pair probe JSONL at step 0
-and final for DPO and RM, train_log.csv, run_info.json and a stand-in model directory; every other artifact
-of the pipeline (stages/lib/layout.py) as a stand-in file, and the data source files with the
-normalize_stats.json that names them.
+probe_manifest.json, probe_token_manifest.json (+ probe_tokens.parquet), the probe pairs' ids and sources
+(probe.parquet), per-pair probe JSONL at step 0 and final for DPO and RM, train_log.csv, run_info.json and a
+stand-in model directory, the run records the bundle packs (tokenize_report.json, ref_identity.json,
+normalize_stats.json naming the data source files); every other artifact of the pipeline (stages/lib/layout.py)
+as a stand-in file. A mixture's probe pairs are dealt to its sources in turn.
 
 Not a trainer: scores are drawn from a seeded generator so that the final checkpoint prefers chosen
 more often than step 0 (by `quality`). Also a script, so a DVC stage in a temp repo can run it:
@@ -15,7 +16,6 @@ import argparse
 import csv
 import hashlib
 import json
-import socket
 from pathlib import Path
 
 import numpy as np
@@ -26,6 +26,9 @@ from stages.engine.settings import TrainSettings
 from stages.lib.environment import environment_record
 from stages.lib.io import sha256_json, write_json, write_jsonl, write_parquet
 from stages.lib.layout import bundle_artifacts
+
+
+TRAIN_PAIRS = 100
 
 
 def make_probe(n: int, seed: int = 0) -> tuple[dict, dict, list[dict]]:
@@ -48,7 +51,7 @@ def make_probe(n: int, seed: int = 0) -> tuple[dict, dict, list[dict]]:
                            "token_hash": sha256_json([chosen, plen, rejected, plen])})
     probe_digest = sha256_json([[p, h] for p, h in zip(pair_ids, content_hashes)])
     probe_manifest = {"size": n, "seed": seed, "selection": "synthetic", "pair_ids": pair_ids,
-                      "content_hashes": content_hashes, "probe_digest": probe_digest, "train_pairs": 0,
+                      "content_hashes": content_hashes, "probe_digest": probe_digest, "train_pairs": TRAIN_PAIRS,
                       "excluded_from_train": []}
     token_hashes = [r["token_hash"] for r in token_rows]
     token_manifest = {"pair_ids": pair_ids, "token_hashes": token_hashes,
@@ -91,7 +94,8 @@ def rm_rows(token_manifest: dict, seed: int, quality: float, step0: bool) -> lis
     return rows
 
 
-def write_train_dir(out: Path, seed: int, record: dict, objective: str, settings: dict, steps: int = 12) -> None:
+def write_train_dir(out: Path, seed: int, record: dict, objective: str, settings: dict, probe_pairs: int,
+                    steps: int = 12) -> None:
     rng = np.random.default_rng([seed, 3])
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "train_log.csv", "w", newline="") as f:
@@ -100,10 +104,12 @@ def write_train_dir(out: Path, seed: int, record: dict, objective: str, settings
         for s in range(1, steps + 1):
             w.writerow([s, round(0.69 * np.exp(-s / 8) + rng.uniform(0, 0.02), 6), round(min(1, 0.5 + s / 30), 6),
                         round(s / 10, 6), 1e-3, round(float(rng.uniform(0.5, 2)), 6)])
-    # run_info as a trainer might write it, plus things that must never reach the bundle.
+    # run_info as the trainer writes it (a hashed output: deterministic, no host, path or timing), plus the per-rank
+    # plan that environment.json's whitelist leaves out.
     write_json(out / "run_info.json", {
         "world_size": 1, "backend": "gloo", "environment": record, "objective": objective, "settings": settings,
-        "hostname": socket.gethostname(), "output_dir": str(out.resolve()), "timings": {"total_s": 1.5}})
+        "train_pairs": TRAIN_PAIRS, "probe_pairs": probe_pairs, "optimizer_steps": steps,
+        "per_rank": [{"rank": 0, "pairs": TRAIN_PAIRS, "micro_batches": steps}]})
     model = out / "model"
     (model / "sub").mkdir(parents=True, exist_ok=True)
     (model / "config.json").write_text(json.dumps({"seed": seed}))
@@ -129,8 +135,13 @@ def write_all(root: Path, params: dict, quality: float = 0.8, normalize: bool = 
     write_json(root / "results/env/environment.json", record)
     # The settings record the engine writes into run_info.json, from the same params.
     settings = TrainSettings.from_params(params).record()
-    write_train_dir(root / "results/train_dpo", seed, record, params["dpo"]["objective"], settings)
-    write_train_dir(root / "results/train_rm", seed + 1, record, "reward_model", settings)
+    write_train_dir(root / "results/train_dpo", seed, record, params["dpo"]["objective"], settings, n)
+    write_train_dir(root / "results/train_rm", seed + 1, record, "reward_model", settings, n)
+    names = source_names(params)
+    write_parquet(root / "results/probe/probe.parquet", pa.Table.from_pylist(
+        [{"pair_id": pid, "source": names[i % len(names)]} for i, pid in enumerate(probe_manifest["pair_ids"])]))
+    write_tokenize_report(root, params, token_manifest)
+    write_ref_identity(root, params)
     if normalize:
         write_sources(root, params)
         write_normalize(root, params)
@@ -138,6 +149,37 @@ def write_all(root: Path, params: dict, quality: float = 0.8, normalize: bool = 
         if stage in ("freeze_probe", "verify_ref", "tokenize", "ref_logps") and not (root / rel).exists():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_text(f"stand-in for {rel} (seed {seed})\n")
+
+
+def source_names(params: dict) -> list[str]:
+    return [src.get("name", f"source{k}") for k, src in enumerate(params["data"]["sources"])]
+
+
+def write_tokenize_report(root: Path, params: dict, token_manifest: dict) -> None:
+    """tokenize_report.json in its contract shape: nothing truncated or rejected."""
+    def split(n: int) -> dict:
+        return {"pairs_in": n, "pairs_out": n, "rejected": 0, "rejected_by_reason": {}, "truncated": 0,
+                "truncated_by_reason": {"completion_cut": 0, "prompt_text_cut": 0, "prompt_turns_dropped": 0}}
+    splits = {"probe": split(params["probe"]["size"]), "train": split(TRAIN_PAIRS)}
+    write_json(root / "results/tokens/tokenize_report.json", {
+        "limits": {k: params["tokenize"][k] for k in ("max_length", "max_prompt_length", "truncation")},
+        "rendering": "plain", "tokenizer_identity": token_manifest["tokenizer_identity"], "splits": splits,
+        "totals": {k: splits["probe"][k] + splits["train"][k] for k in ("pairs_in", "pairs_out", "rejected",
+                                                                         "truncated")}})
+
+
+def write_ref_identity(root: Path, params: dict) -> None:
+    """ref_identity.json in its contract shape for params' ref (as verify_ref writes it; no files are read)."""
+    from stages.lib.reference import IDENTITY_FORMAT, identity_digest
+    ref = params["ref"]
+    revision = ref.get("revision") or "0" * 64
+    identity = {"format": IDENTITY_FORMAT, "source": ref["source"], "repo_id": ref["repo_id"], "revision": revision,
+                "revision_pinned": ref.get("revision") is not None, "local_dir": ref["local_dir"],
+                "lock": {"path": "prefpipe.lock.json", "size": 10, "sha256": revision} if ref["source"] == "local"
+                else None, "files": [{"path": "config.json", "size": 2, "algo": "sha256", "hash": "1" * 64}],
+                "extras": []}
+    identity["identity_digest"] = identity_digest(identity)
+    write_json(root / "results/ref/ref_identity.json", identity)
 
 
 def write_sources(root: Path, params: dict) -> None:
@@ -153,11 +195,11 @@ def write_sources(root: Path, params: dict) -> None:
 def write_normalize(root: Path, params: dict) -> None:
     """normalize's outputs as stand-ins, but for normalize_stats.json in its contract shape, naming each source's
     file as normalize records it (the path as params.yaml writes it)."""
-    sources = [{"name": src.get("name", f"source{k}"), "path": src["path"], "format": src["format"],
-                "files": [{"path": src["path"], "rows": 3}], "rows_in": 3, "pairs_out": 3}
-               for k, src in enumerate(params["data"]["sources"])]
-    write_json(root / "results/normalize/normalize_stats.json", {"sources": sources,
-                                                                 "totals": {"rows_in": 3 * len(sources)}})
+    sources = [{"name": name, "path": src["path"], "format": src["format"],
+                "files": [{"path": src["path"], "rows": 3}], "rows_in": 3, "pairs_out": 3, "rejected_total": 0,
+                "rejected": {"json": 0}} for name, src in zip(source_names(params), params["data"]["sources"])]
+    write_json(root / "results/normalize/normalize_stats.json", {"sources": sources, "totals": {
+        "rows_in": 3 * len(sources), "pairs_out": 3 * len(sources), "rejected_total": 0}})
     for name in ("pairs.parquet", "rejections.parquet"):
         (root / "results/normalize" / name).write_text(f"stand-in for normalize's {name}\n")
 

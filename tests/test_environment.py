@@ -68,7 +68,8 @@ def test_portable_results_do_not_depend_on_the_dispatch_the_machine_offers():
 def test_record_holds_what_decides_the_numbers_and_no_machine_trivia():
     record = envlib.environment_record({"gpus": 0, "portable_numerics": True, "cpu_threads": 1})
     assert record["python"] == f"{sys.version_info[0]}.{sys.version_info[1]}"
-    assert set(record["packages"]) == set(envlib.RECORDED_PACKAGES)
+    assert set(record["packages"]) == set(envlib.RECORDED_PACKAGES)     # no triton: it never runs on CPU
+    assert "triton" not in record["packages"]
     import torch
     assert record["packages"]["torch"] == torch.__version__
     assert record["cpu_numerics"]["aten_capability"] == "DEFAULT" and record["cpu_numerics"]["portable"] is True
@@ -132,11 +133,48 @@ def test_environment_stage_refuses_an_unlocked_install_unless_allowed(tmp_path):
     assert (tmp_path / "environment.log").read_text().startswith("environment WARNING ")
 
 
-def test_the_repository_lock_pins_every_recorded_package_and_the_cpu_torch():
-    pins = env_stage.read_lock_pins(REPO_ROOT / "requirements/lock.txt")
-    for name in envlib.RECORDED_PACKAGES:
-        assert env_stage.canonical_name(name) in pins, name
-    assert pins["torch"].endswith("+cpu")
-    text = (REPO_ROOT / "requirements/lock.txt").read_text()
-    entries = [line for line in text.splitlines() if "==" in line and not line.lstrip().startswith("#")]
-    assert entries and all(line.rstrip().endswith("\\") for line in entries)   # every pin carries hashes
+RUNTIME_LOCK, TEST_LOCK = REPO_ROOT / "requirements/lock.txt", REPO_ROOT / "requirements/test-lock.txt"
+TEST_ONLY = ("pytest", "pytest-xdist", "trl", "scipy", "triton")
+
+
+def lock_entries(path) -> dict[str, str]:
+    """{canonical name: the pin's whole entry (the `name==version` line and its --hash lines)}."""
+    entries, name = {}, None
+    for line in path.read_text().splitlines():
+        if line and not line[0].isspace() and "==" in line:
+            name = env_stage.canonical_name(line.split("==")[0])
+            entries[name] = line
+        elif name and line.lstrip().startswith("--hash="):
+            entries[name] += "\n" + line
+        else:
+            name = None
+    return entries
+
+
+def test_the_repository_locks_pin_every_recorded_package_and_the_cpu_torch():
+    """README command 1 installs the runtime lock, command 2 the test lock: both hash-pinned, the same CPU torch,
+    every recorded package; the runtime lock without the test extra (pytest, trl, scipy and triton's 286 MB)."""
+    for path, recorded in ((RUNTIME_LOCK, envlib.RECORDED_PACKAGES),
+                           (TEST_LOCK, envlib.RECORDED_PACKAGES + envlib.GPU_PACKAGES)):
+        pins = env_stage.read_lock_pins(path)
+        for name in recorded:
+            assert env_stage.canonical_name(name) in pins, (path.name, name)
+        assert pins["torch"] == "2.13.0+cpu", path.name
+        text = path.read_text()
+        entries = [line for line in text.splitlines() if "==" in line and not line.lstrip().startswith("#")]
+        assert entries and all(line.rstrip().endswith("\\") for line in entries)   # every pin carries hashes
+    runtime = env_stage.read_lock_pins(RUNTIME_LOCK)
+    assert not [name for name in TEST_ONLY if name in runtime]
+    assert all(name in env_stage.read_lock_pins(TEST_LOCK) for name in TEST_ONLY)
+
+
+def test_an_install_from_either_lock_matches_the_runtime_lock():
+    """The environment stage checks the install against requirements/lock.txt: every package of it is in the test
+    lock at the same version with the same hashes (requirements/refresh resolves one under the other), so an
+    install from the test lock matches too; and a CPU record names no package the runtime lock lacks."""
+    runtime, full = lock_entries(RUNTIME_LOCK), lock_entries(TEST_LOCK)
+    assert runtime and set(runtime) < set(full)
+    assert [name for name in runtime if runtime[name] != full[name]] == []
+    cpu = {"gpus": 0, "portable_numerics": True, "cpu_threads": 1}
+    assert set(envlib.recorded_packages(cpu)) <= set(env_stage.read_lock_pins(RUNTIME_LOCK))
+    assert "triton" in envlib.recorded_packages({**cpu, "gpus": 1})

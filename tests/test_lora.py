@@ -305,6 +305,35 @@ def test_fused_kernel_routing_keeps_the_adapters(tmp_path):
         torch.testing.assert_close(fused["grads"][n], g, rtol=1e-4, atol=1e-6, msg=lambda m: f"{n}: {m}")
 
 
+def test_lora_defaults_and_all_linear_train_as_the_block_spelled_out(assets):
+    """What a peft user writes, `adapter: {type: lora, target_modules: all-linear}` with every other key omitted,
+    trains exactly as the block spelled out with the documented defaults (r 16, alpha 32, dropout 0, export
+    merged) on the seven projections: the modules peft's own all-linear picks on the causal LM. On the reward model
+    all-linear leaves the `score` head out (it trains in full). Before: the schema refused the block."""
+    from transformers import AutoModelForCausalLM
+    from stages import train_dpo
+    from stages.engine.adapters import target_module_names
+    from stages.engine.modeling import load_reward_model
+    short = {"type": "lora", "target_modules": "all-linear"}
+    spelled = {"type": "lora", "r": 16, "alpha": 32, "dropout": 0.0, "target_modules": ALL_LINEAR, "export": "merged"}
+    infos = {}
+    for name, adapter in (("short", short), ("spelled", spelled)):
+        params = write_params(assets / f"{name}.yaml", train={**PARITY_TRAIN, "adapter": adapter},
+                              dpo={"objective": "dpo_ref_free"})
+        infos[name] = train_dpo.main(stage_args(assets, "--out-dir", assets / name, params))
+    assert infos["short"]["adapter"] == {**spelled, "target_modules": "all-linear",
+                                         "resolved_target_modules": sorted(ALL_LINEAR),
+                                         "trainable_parameters": infos["spelled"]["adapter"]["trainable_parameters"]}
+    assert (assets / "short/train_log.csv").read_bytes() == (assets / "spelled/train_log.csv").read_bytes()
+    assert (assets / "short/model/model.safetensors").read_bytes() == \
+        (assets / "spelled/model/model.safetensors").read_bytes()
+
+    base = AutoModelForCausalLM.from_pretrained(assets / "model", dtype=torch.float32)
+    peft_own = plain_peft_model(base, {**spelled, "target_modules": "all-linear"}, seed=5, head="lm_head")
+    assert {n.rsplit(".", 1)[-1] for n, m in peft_own.named_modules() if hasattr(m, "lora_A")} == set(ALL_LINEAR)
+    assert target_module_names(short, load_reward_model(assets / "model"), "score") == sorted(ALL_LINEAR)
+
+
 @pytest.mark.parametrize("adapter, parallel, match", [
     (lora(target_modules=["lm_head"]), "ddp", "matches the LM head"),
     (lora(target_modules=["q_proj", "nope_proj"]), "ddp", "'nope_proj' names no module"),
@@ -325,8 +354,9 @@ def test_adapter_settings_schema_and_cuda_graph_fallback():
     from stages.engine.steps import cuda_graphs_unavailable
     with pytest.raises(TrainConfigError, match="train.adapter"):
         train_settings(adapter=lora(export="zip"))
-    with pytest.raises(TrainConfigError, match="train.adapter"):
-        train_settings(adapter={"type": "lora", "r": 4})
+    # Omitted keys take the schema's documented defaults (before: "is not valid under any of the given schemas").
+    assert train_settings(adapter={"type": "lora", "r": 4}).adapter == {
+        "type": "lora", "r": 4, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "export": "merged"}
     assert "adapter" not in train_settings().record()        # a full fine-tune's record is unchanged
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="nccl")
     assert cuda_graphs_unavailable(train_settings(adapter=lora()), gpu) is None

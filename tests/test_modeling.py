@@ -214,6 +214,38 @@ def test_rms_norms_are_routed_to_the_fused_kernel_and_unchanged_on_cpu(tmp_path,
             assert torch.equal(m(x), type(m).forward(m, x))
 
 
+def test_routing_and_cpu_outputs_do_not_depend_on_whether_triton_is_installed(tmp_path):
+    """The runtime lock (README command 1) has no triton, the test lock has it: a CPU run must record the same
+    routing (run_info's fused_kernels) and compute the same bits either way. A process where `import triton`
+    fails (sys.modules entry None: how Python reports an absent package) against this one."""
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    model_dir = make_tiny_model_dir(tmp_path / "m")
+    tokens = write_token_parquet(tmp_path / "t.parquet", random_rows(6, seed=5))
+    code = ("import sys, json, hashlib, torch\n"
+            "if sys.argv[1] == 'absent': sys.modules['triton'] = None\n"
+            "from stages.engine import kernels\n"
+            "from stages.engine.data import model_inputs\n"
+            "from stages.engine.modeling import SequenceLogProbs, load_causal_lm, use_fused_kernels\n"
+            "from stages.engine.packing import build_packed_batch, load_token_pairs\n"
+            "torch.set_num_threads(1)\n"
+            "lm = load_causal_lm(sys.argv[2]); counts = use_fused_kernels(lm)\n"
+            "batch = build_packed_batch(load_token_pairs(sys.argv[3]), list(range(6)), share_prompt=True)\n"
+            "out = SequenceLogProbs(lm, chunk_tokens=5)(**model_inputs(batch))\n"
+            "print(json.dumps([kernels.triton is None, counts, hashlib.sha256(out.detach().numpy().tobytes()).hexdigest()]))")
+    results = {}
+    for mode in ("absent", "as_installed"):
+        r = subprocess.run([sys.executable, "-c", code, mode, str(model_dir), str(tokens)], cwd=REPO_ROOT,
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-2000:]
+        results[mode] = json.loads(r.stdout.strip().splitlines()[-1])
+    assert results["absent"][0] is True
+    assert results["absent"][1] == results["as_installed"][1] and results["absent"][1]["silu_mul"] == 2
+    assert results["absent"][2] == results["as_installed"][2]
+
+
 @pytest.mark.parametrize("bias", [True, False])
 def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias):
     """GroupedLinear (the fused q|k|v and gate|up projection): output and every gradient equal the separate

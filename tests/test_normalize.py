@@ -560,3 +560,24 @@ def test_the_streaming_writer_gives_the_same_bytes_for_any_piece_size(hh_rlhf_pa
     assert read_parquet(tmp_path / "out64" / "pairs.parquet").to_pylist() == sorted(found.pairs,
                                                                                    key=lambda p: p["pair_id"])
     assert read_parquet(tmp_path / "out64" / "rej.parquet").to_pylist() == found.rejections
+
+
+def test_a_source_outside_the_repository_is_found_from_a_dvc_experiment_copy(tmp_path, monkeypatch):
+    """`dvc exp run --queue` runs the stages in a copy of the repository (.dvc/tmp/exps/...) with DVC_ROOT naming
+    the workspace: a source written `../ext/...` is the file beside the workspace, read from there and named by
+    its absolute path in the rule's inputs (dvc.yaml's deps), while pairs keep the path as written."""
+    from stages.lib.io import data_location, leaves_repository
+    workspace, copy, ext = tmp_path / "ws", tmp_path / "ws/.dvc/tmp/exps/tmp1", tmp_path / "ext"
+    for d in (workspace, copy, ext):
+        d.mkdir(parents=True, exist_ok=True)
+    (ext / "p.jsonl").write_text(json.dumps({"prompt": "q?", "chosen": "yes", "rejected": "no"}) + "\n")
+    source = {"path": "../ext/p.jsonl", "format": "trl"}
+    assert leaves_repository("../ext/p.jsonl") and not leaves_repository("data/../data/x.jsonl")
+    monkeypatch.setenv("DVC_ROOT", str(workspace))
+    assert data_location("../ext/p.jsonl", copy) == str(ext / "p.jsonl")
+    assert data_location("data/x.jsonl", copy) == "data/x.jsonl"
+    result = normalize_sources([source], base_dir=copy)
+    assert [p["src_file"] for p in result.pairs] == ["../ext/p.jsonl"]
+    monkeypatch.delenv("DVC_ROOT")
+    with pytest.raises(SourceError, match=r"\.\./ext/p\.jsonl: no such file"):    # the copy is not beside ext/
+        normalize_sources([source], base_dir=copy)

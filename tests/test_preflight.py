@@ -91,7 +91,8 @@ def test_a_source_naming_no_data_is_refused_by_sync_dvc_and_snakemake(checkout, 
     ("  epochs: 2\n", "  epochs: 2\n  lr: 1.0\n",
      r"params.yaml: key train.lr is written twice \(lines \d+ and \d+\)"),
     ("  loss: sigmoid\n", "  loss: sigmod\n", r"params.yaml is invalid: dpo.loss: 'sigmod' is not allowed: "
-                                              r"'sigmod' is not one of \['sigmoid', 'robust'"),
+                                              r"must be one of \['sigmoid', 'robust'.*or a list of those "
+                                              r"\(did you mean 'sigmoid'\?\)"),
     ("  adapter: null\n", "  adapter: {type: lora, r: 0, alpha: 32, dropout: 0.0, target_modules: [q_proj], "
                           "export: merged}\n", r"train.adapter.r: 0 is less than the minimum of 1"),
 ])
@@ -178,13 +179,47 @@ def test_non_finite_numbers_are_named_by_key_path():
 def test_one_of_errors_name_what_is_allowed():
     params = yaml.safe_load(PARAMS)
     params["train"]["adapter"] = "lora"
-    with pytest.raises(ParamsError, match=r"train.adapter: 'lora' is not allowed: 'lora' is not of type 'null' or "
-                                          r"'lora' is not of type 'object'"):
+    with pytest.raises(ParamsError, match=r"train.adapter: 'lora' is not allowed: must be null or a mapping of type, "
+                                          r"r, alpha, dropout, target_modules, export$"):
         validate_params(params)
     params["train"]["adapter"] = None
     params["dpo"]["loss"] = ["sigmoid", "kto"]
     with pytest.raises(ParamsError, match=r"dpo.loss\[1\]: 'kto' is not one of \['sigmoid'"):
         validate_params(params)
+
+
+@pytest.mark.parametrize("adapter, message", [
+    # Before, each of these was "... is not valid under any of the given schemas" / a dump of the whole block.
+    ({"type": "lora", "target_modules": "all-linears"},
+     r"train.adapter.target_modules: 'all-linears' is not allowed: must be 'all-linear' or a list of strings "
+     r"\(did you mean 'all-linear'\?\)"),
+    ({"type": "lora", "rank": 8}, r"train.adapter.rank: unknown key; the keys of train.adapter are type, r, alpha, "
+                                  r"dropout, target_modules, export"),
+    ({"type": "lora", "export": "merge"},
+     r"train.adapter.export: 'merge' is not one of \['merged', 'adapter', 'both'\] \(did you mean 'merged'\?\)"),
+    ({"r": 8}, r"train.adapter.type: missing \(a required key\)"),
+])
+def test_schema_errors_name_the_key_and_the_allowed_values(adapter, message):
+    params = yaml.safe_load(PARAMS)
+    params["train"]["adapter"] = adapter
+    with pytest.raises(ParamsError) as e:
+        validate_params(params)
+    assert re.search(message, str(e.value)), str(e.value)
+    params["train"]["adapter"] = None
+    params["train"]["lrr"] = 1e-3
+    with pytest.raises(ParamsError, match=r"train.lrr: unknown key \(did you mean 'lr'\?\); the keys of train are "
+                                          r"gpus, cpu_procs"):
+        validate_params(params)
+
+
+def test_a_lora_block_may_omit_keys_and_name_all_linear():
+    from stages.lib.params import resolved_train
+    params = yaml.safe_load(PARAMS)
+    params["train"]["adapter"] = {"type": "lora", "target_modules": "all-linear", "r": 8}
+    validate_params(params)
+    assert resolved_train(params["train"])["adapter"] == {"type": "lora", "r": 8, "alpha": 32, "dropout": 0.0,
+                                                          "target_modules": "all-linear", "export": "merged"}
+    assert resolved_train({k: v for k, v in params["train"].items() if k != "adapter"})["adapter"] is None
 
 
 def test_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path, monkeypatch):

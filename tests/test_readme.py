@@ -21,8 +21,10 @@ from conftest import REPO_ROOT
 
 README = REPO_ROOT / "README.md"
 MAX_README_LINES = 260
-INSTALL = "pip install --require-hashes -r requirements/lock.txt && pip install --no-deps -e . && "
-COMMANDS = (INSTALL + "snakemake --cores 2", INSTALL + "python -m pytest -q -n 2 --dist loadfile")
+# Command 1 installs the runtime lock, command 2 the test lock (the runtime plus the `test` extra): requirements/refresh.
+INSTALL = "pip install --require-hashes -r requirements/{} && pip install --no-deps -e . && "
+COMMANDS = (INSTALL.format("lock.txt") + "snakemake --cores 2",
+            INSTALL.format("test-lock.txt") + "python -m pytest -q -n 2 --dist loadfile")
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 INLINE_CODE = re.compile(r"`[^`\n]*`")

@@ -407,10 +407,12 @@ def test_verify_reports_another_environment_and_can_require_the_same(tmp_path):
     def torch(record):
         record["packages"].update(torch="2.11.0+cu130", matplotlib="3.0.0")
 
-    def other_torch(m):     # a bundle made elsewhere: its record, the runs' records and the packed record agree
+    def other_torch(m):     # a bundle made elsewhere: its record, the runs' records and the packed records agree
         _edit_json(m, "evidence/environment.json",
                    lambda d: [torch(r) for r in (d["record"], *(run["record"] for run in d["training"].values()))])
         _edit_json(m, "evidence/artifacts/results/env/environment.json", torch)
+        for label in ("dpo", "rm"):
+            _edit_json(m, f"evidence/artifacts/results/train_{label}/run_info.json", lambda d: torch(d["environment"]))
     forged = _rewrite(repo / "o/evidence.tar.gz", tmp_path / "env.tar.gz", other_torch, True)
     # the reviewer holds the bundle only (this workspace's run_info.json are this machine's)
     rc, out = _verify(repo, forged, workspace=False)
@@ -461,8 +463,9 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
                      "MATCH    evidence/manifest.json evaluation", "MATCH    evidence/manifest.json curves",
                      "MATCH    results/evaluate/bootstrap_summary.json (header)"):
             assert line in out, (line, out)
-    assert "MATCH    evidence/environment.json: remade from the packed record and the workspace's run_info.json" \
-        in _verify(repo, bundle)[1]
+    for workspace in (True, False):      # the runs' run_info.json are packed: no workspace needed
+        assert "MATCH    evidence/environment.json: remade from the packed environment record and run_info.json" \
+            in _verify(repo, bundle, workspace=workspace)[1]
 
     dpo_row = next(r for r in (repo / "o/summary.md").read_text().splitlines() if r.startswith("| dpo |"))
     final = dpo_row.split(" | ")[2].split(" [")[0]          # the final accuracy cell
@@ -470,7 +473,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
         "summary": (lambda m: _replace_text(m, "evidence/summary.md", f"{dpo_row.split(' | ')[1]} | {final} [",
                                             f"{dpo_row.split(' | ')[1]} | 0.9900 ["),
                     "DIFFERS  evidence/summary.md: not what report writes from the bundle's metrics, bootstrap "
-                    f"summary and params: line 8: bundle '| dpo | "),
+                    f"summary, train logs, run records and params: line 8: bundle '| dpo | "),
         "params": (lambda m: _replace_text(m, "evidence/params.yaml", "lr: 0.0003", "lr: 0.001"),
                    "DIFFERS  evidence/params.yaml (dpo run): train.lr: params.yaml 0.001, the dpo run trained with 0.0003"),
         # a knob the runs do not record, but the probe manifests do
@@ -638,16 +641,151 @@ def test_verify_holds_params_and_sources_to_the_workspace_dvc_lock(tmp_path):
     assert "MATCH    evidence/params.yaml (dvc.lock): the " in out
     assert "MATCH    results/train_dpo/model (dvc.lock)" in out
 
-    def reseeded(m):        # params.yaml and the runs' recorded settings, consistently
+    def reseeded(m):        # params.yaml and the runs' recorded settings (both places), consistently
         _replace_text(m, "evidence/params.yaml", "seed: 1234", "seed: 99")
         _edit_json(m, "evidence/environment.json",
                    lambda d: [run["settings"].__setitem__("seed", 99) for run in d["training"].values()])
+        for label in ("dpo", "rm"):
+            _edit_json(m, f"evidence/artifacts/results/train_{label}/run_info.json",
+                       lambda d: d["settings"].__setitem__("seed", 99))
     forged = _rewrite(bundle, tmp_path / "seed.tar.gz", reseeded, consistent=True)
     assert _verify(repo, forged, workspace=False)[0] == 0       # the bundle alone cannot tell
     rc, out = _verify(repo, forged)
     assert rc == 1 and "DIFFERS  evidence/params.yaml (dvc.lock): train.seed: params.yaml 99, dvc.lock (synth) 1234" in out
-    assert "DIFFERS  evidence/environment.json: not what report writes from the record and the workspace's run_info" in out
+    assert "DIFFERS  results/train_dpo/run_info.json (workspace): workspace md5" in out
 
     outside.write_text(outside.read_text() + json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n")
     rc, out = _verify(repo, bundle)
     assert rc == 1 and "DIFFERS  source external:hh-test.jsonl: workspace md5" in out and "the data changed" in out
+
+
+# --------------------------------------------------------------------------------------------------
+# A self-describing bundle (issue 29, item 5): the run records packed, summary.md says what ran, per-source
+# accuracy for mixtures, and verify holds the records to one another
+# --------------------------------------------------------------------------------------------------
+
+RECORD_FILES = ("results/normalize/normalize_stats.json", "results/tokens/tokenize_report.json",
+                "results/ref/ref_identity.json", "results/train_dpo/run_info.json", "results/train_rm/run_info.json")
+
+
+def test_the_bundle_packs_the_run_records_and_the_summary_says_what_ran(tmp_path):
+    """Before: the four records were only hashed, and summary.md held the metrics table and the curves only."""
+    repo, bundle = _genuine(tmp_path)
+    members = _members(bundle.read_bytes())
+    manifest = json.loads(members["evidence/manifest.json"])
+    by_path = {a["path"]: a for a in manifest["artifacts"]}
+    for rel in RECORD_FILES:
+        assert members[f"evidence/artifacts/{rel}"] == (repo / rel).read_bytes(), rel
+        assert by_path[rel]["packed"] is True and "portable" not in by_path[rel], rel
+    assert not any(name.endswith((".parquet", ".safetensors")) for name in members)      # no data, no weights
+    params = yaml.safe_load((repo / "params.yaml").read_text())
+    sources = json.loads(members["evidence/probe_sources.json"])
+    assert sources["probe_digest"] == json.loads((repo / "results/probe/probe_manifest.json").read_text())["probe_digest"]
+    assert len(sources["sources"]) == params["probe"]["size"]
+
+    summary = (repo / "o/summary.md").read_text()
+    assert summary == members["evidence/summary.md"].decode()
+    src = params["data"]["sources"][0]
+    ref = params["ref"]
+    for line in (
+            "## What ran",
+            f"| {src['name']} | `{src['path']}` | {src['format']} | 3 | 3 | 0 | - |",
+            "| train | 100 | 100 | 0 | 0 | - |", f"| probe | 64 | 64 | 0 | 0 | - |",
+            f"Reference: `{ref['repo_id']}` ({ref['source']}, `{ref['local_dir']}`) at revision `{ref['revision']}` "
+            "(pinned), 1 files verified.",
+            f"| dpo | dpo | sigmoid | 0.1 | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |",
+            f"| rm | reward_model | pairwise logistic | - | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |"):
+        assert line in summary.splitlines(), (line, summary)
+    assert "Per-source" not in summary                       # one source: the table above is per source already
+
+
+def test_a_mixture_gets_per_source_accuracy_from_the_evaluate_bootstrap(tmp_path):
+    """Two sources: each model's accuracy per source, from the per-pair rows joined to their source
+    (probe_sources.json, from the probe pairs) and evaluate's paired bootstrap, which equals scipy's."""
+    import numpy as np
+    import scipy.stats
+    from stages.lib import scoring
+    params = small_params()
+    params["data"]["sources"] = [{"name": "alpha", "path": "data/a.jsonl", "format": "trl"},
+                                 {"name": "beta", "path": "data/b.jsonl", "format": "trl"}]
+    repo, bundle = _genuine(tmp_path, params)
+    summary = (repo / "o/summary.md").read_text().splitlines()
+    assert "## Per-source probe accuracy" in summary
+    sources = json.loads(_members(bundle.read_bytes())["evidence/probe_sources.json"])["sources"]
+    rows = {w: [json.loads(x) for x in (repo / f"results/train_rm/probe_{w}.jsonl").read_text().splitlines()]
+            for w in ("step0", "final")}
+    ev_params = params["evaluate"]
+    for name in ("alpha", "beta"):
+        idx = [i for i, s in enumerate(sources) if s == name]
+        s0, fi = (np.asarray([scoring.correct_label(rows[w][i]["chosen_score"], rows[w][i]["rejected_score"])
+                              for i in idx]) for w in ("step0", "final"))
+        ci = scipy.stats.bootstrap((s0, fi), lambda a, b, axis: np.mean(b, axis=axis) - np.mean(a, axis=axis),
+                                   paired=True, vectorized=True, method="percentile",
+                                   n_resamples=ev_params["bootstrap_replicates"],
+                                   confidence_level=ev_params["confidence"],
+                                   random_state=np.random.Generator(np.random.PCG64(ev_params["seed"]))).confidence_interval
+        row = next(r for r in summary if r.startswith(f"| rm | {name} | "))
+        want = (f"| rm | {name} | {len(idx)} | {s0.mean():.4f} | {fi.mean():.4f} [") 
+        assert row.startswith(want), (row, want)
+        assert row.endswith(f"| {fi.mean() - s0.mean():.4f} [{ci.low:.4f}, {ci.high:.4f}] |"), (row, ci)
+    assert len([r for r in summary if r.startswith("| dpo | alpha | ") or r.startswith("| dpo | beta | ")]) == 2
+    rc, out = _verify(repo, bundle)
+    assert rc == 0 and "MATCH    evidence/summary.md: remade" in out, out
+
+
+def test_verify_holds_the_run_records_to_one_another_and_the_workspace(tmp_path):
+    """A careful forger's edit of a record (every hash recomputed) contradicts the other records, the probe
+    manifests or params: DIFFERS naming the record; with --workspace, probe_sources.json is remade from the probe
+    pairs. Before: the records were not in the bundle, so nothing held them to anything."""
+    from stages.lib.evidence_verify import verify_bundle
+    repo, bundle = _genuine(tmp_path)
+    rc, out = _verify(repo, bundle)
+    assert rc == 0, out
+    for rel in (*RECORD_FILES, "probe_sources.json"):
+        assert f"MATCH    {rel} (record): consistent" in out, (rel, out)
+    assert "MATCH    probe_sources.json (workspace): remade from results/probe/probe.parquet" in out
+
+    cases = {
+        "stats": (lambda m: _edit_json(m, "evidence/artifacts/results/normalize/normalize_stats.json",
+                                       lambda d: d["sources"][0].__setitem__("pairs_out", 2)),
+                  "DIFFERS  results/normalize/normalize_stats.json (record): source embedded: rows_in 3 != pairs_out 2"),
+        "tokenize": (lambda m: _edit_json(m, "evidence/artifacts/results/tokens/tokenize_report.json",
+                                          lambda d: d["limits"].__setitem__("max_length", 4096)),
+                     "DIFFERS  results/tokens/tokenize_report.json (record): limits"),
+        "trained": (lambda m: _edit_json(m, "evidence/artifacts/results/train_dpo/run_info.json",
+                                         lambda d: d.__setitem__("train_pairs", 7)),
+                    "the dpo run trained 7 pairs and scored 64; tokenize wrote 100 and 64"),
+        "identity": (lambda m: _edit_json(m, "evidence/artifacts/results/ref/ref_identity.json",
+                                          lambda d: d["files"][0].__setitem__("size", 3)),
+                     "DIFFERS  results/ref/ref_identity.json (record): identity_digest is not the digest of its fields"),
+        "sources": (lambda m: m.__setitem__("evidence/probe_sources.json", ev.json_bytes(
+            {**json.loads(m["evidence/probe_sources.json"]), "sources": ["other"] * 64})),
+                    "DIFFERS  probe_sources.json (record): names sources normalize did not read: ['other']"),
+    }
+    for name, (change, expect) in cases.items():
+        forged = _rewrite(bundle, tmp_path / f"{name}.tar.gz", change, consistent=True)
+        out = "\n".join(verify_bundle(forged, repo).lines())
+        assert expect in out, (name, out)
+    out = "\n".join(verify_bundle(tmp_path / "sources.tar.gz", repo).lines())
+    assert "DIFFERS  probe_sources.json (workspace): not the sources of results/probe/probe.parquet's pairs" in out
+
+
+def test_a_record_naming_an_absolute_path_is_packed_portably(tmp_path):
+    """normalize_stats.json of a source outside the checkout names its absolute path: the bundle packs it with the
+    path written `external:...` (no machine layout in the bundle), flagged `portable`, and verify with the
+    workspace compares it with the file's own portable form."""
+    outside = tmp_path / "elsewhere" / "hh-test.jsonl"
+    params = small_params()
+    params["data"]["sources"] = [{"path": str(outside), "format": "trl"}]
+    repo, bundle = _genuine(tmp_path / "w", params)
+    members = _members(bundle.read_bytes())
+    rel = "results/normalize/normalize_stats.json"
+    packed = json.loads(members[f"evidence/artifacts/{rel}"])
+    assert packed["sources"][0]["path"] == "external:hh-test.jsonl" == packed["sources"][0]["files"][0]["path"]
+    assert str(tmp_path) not in members[f"evidence/artifacts/{rel}"].decode()
+    entry = next(a for a in json.loads(members["evidence/manifest.json"])["artifacts"] if a["path"] == rel)
+    assert entry["portable"] is True and entry["md5"] == hashlib.md5((repo / rel).read_bytes()).hexdigest()
+    rc, out = _verify(repo, bundle)
+    assert rc == 0 and f"MATCH    {rel}: the workspace's file, its absolute paths written portably" in out, out
+    rc, out = _verify(repo, bundle, workspace=False)
+    assert rc == 0 and f"SKIPPED  {rel}: packed with absolute paths written portably" in out, out

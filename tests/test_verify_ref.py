@@ -371,6 +371,51 @@ def test_cli_pin_prints_lock_sha(local_dir, capsys):
     assert capsys.readouterr().out.strip() == hashlib.sha256((local_dir / LOCK_NAME).read_bytes()).hexdigest()
 
 
+def test_pin_write_params_sets_the_four_ref_keys_and_the_first_run_verifies(local_dir, tmp_path, capsys):
+    """Your own model: `pin DIR --write-params` sets ref.source, ref.repo_id (the lock's), ref.revision (the lock's
+    sha256) and ref.local_dir in params.yaml, changing no other line (comments kept), and the first verify passes.
+    Before: only the lock was written; with ref.repo_id set to anything else than pin's default name (local/<dir>)
+    and the revision copied by hand, the first run was refused on repo_id."""
+    checkout = tmp_path / "checkout"
+    checkout.mkdir()
+    model = checkout / "models" / "my-sft"
+    shutil.copytree(local_dir, model)
+    original = (REPO_ROOT / "params.yaml").read_text()
+    (checkout / "params.yaml").write_text(original)
+    assert verify_ref.main(["pin", str(model), "--write-params", str(checkout / "params.yaml")]) == 0
+    digest = capsys.readouterr().out.strip()
+    assert digest == hashlib.sha256((model / LOCK_NAME).read_bytes()).hexdigest()
+    written = (checkout / "params.yaml").read_text()
+    changed = [(a, b) for a, b in zip(original.splitlines(), written.splitlines()) if a != b]
+    assert len(original.splitlines()) == len(written.splitlines())
+    assert changed == [("  repo_id: embedded/tiny-qwen2", "  repo_id: local/my-sft"),
+                       (f"  revision: {yaml.safe_load(original)['ref']['revision']}", f"  revision: {digest}"),
+                       ("  local_dir: models/tiny-qwen2", "  local_dir: models/my-sft")]
+    params = yaml.safe_load(written)
+    assert params["ref"] == {"source": "local", "repo_id": "local/my-sft", "revision": digest,
+                             "local_dir": "models/my-sft"}
+    identity = checkout / "ref_identity.json"
+    cwd = os.getcwd()
+    os.chdir(checkout)                 # local_dir is relative to the checkout, as the stages run
+    try:
+        assert verify_ref.main(["verify", "--params", "params.yaml", "--identity", str(identity)]) == 0
+    finally:
+        os.chdir(cwd)
+    assert json.loads(identity.read_text())["revision_pinned"] is True
+
+
+def test_pin_write_params_refuses_what_it_cannot_edit_in_place(local_dir, tmp_path):
+    params = tmp_path / "params.yaml"
+    text = (REPO_ROOT / "params.yaml").read_text()
+    block = text[text.index("ref:\n"):text.index("tokenize:")]
+    flow = text.replace(block, "ref: {source: local, repo_id: x, revision: null, local_dir: y}\n\n")
+    params.write_text(flow)
+    with pytest.raises(SystemExit, match=r"verify_ref: refused: .*could not set ref.\{source, repo_id, revision, "
+                                         r"local_dir\} by editing the file in place .*set them by hand: ref.source: local"):
+        verify_ref.main(["pin", str(local_dir), "--write-params", str(params)])
+    assert params.read_text() == flow              # left as it was
+
+
 def test_local_hash_mismatch_with_mtime_restored(local_dir):
     verify_ref.pin(local_dir, "embedded/tiny-qwen2")
     flip_last_byte_keep_mtime(local_dir / "model.safetensors")

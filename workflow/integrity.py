@@ -191,6 +191,46 @@ def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
             for stage in repo.index.stages if getattr(stage, "name", None) in names}
 
 
+def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
+    """Every dvc.yaml stage, upstream first, with its state by hash (what a Snakemake run would do about it):
+    ("up to date", []), ("must rerun", reasons: recorded bytes, params or command changed), ("outputs missing",
+    paths: `dvc checkout` restores them from DVC's cache, else the next run rebuilds them), ("rerun after", the
+    upstream stages that rerun first) or ("never run", []: dvc.lock records no run of it). One DVC session, as
+    RunGuard's start-up check (`prefpipe status`)."""
+    recorded = read_lockfile(root)
+    with dvc_session(root) as repo:
+        if repo is None:
+            raise IntegrityError(f"{root} is no DVC repository (no .dvc/, or DVC cannot open it): nothing is "
+                                 "recorded to compare with")
+        stages = [s for s in repo.index.stages if getattr(s, "name", None)]
+        changes = stage_changes(repo, recorded)
+        owner = {out.fs_path: s.name for s in stages for out in s.outs}
+        upstream = {s.name: sorted({owner[d.fs_path] for d in s.deps if getattr(d, "fs_path", None) in owner}
+                                   - {s.name}) for s in stages}
+    order: list[str] = []
+    while len(order) < len(upstream):        # dvc.yaml's order, each stage after the stages it reads from
+        order.append(next((n for n in upstream if n not in order and set(upstream[n]) <= set(order)),
+                          next(n for n in upstream if n not in order)))
+    rows, redo = [], set()
+    for name in order:
+        ch = changes.get(name)
+        before = [u for u in upstream[name] if u in redo]
+        if name not in recorded:
+            rows.append((name, "never run", []))
+        elif ch is not None and content_changed(ch):
+            rows.append((name, "must rerun", describe(ch)))
+        elif before:
+            rows.append((name, "rerun after", before))
+        elif ch is not None:
+            rows.append((name, "outputs missing", sorted(p for p, c in changed_paths(ch, "outs").items()
+                                                         if c == "deleted") or describe(ch)))
+        else:
+            rows.append((name, "up to date", []))
+        if rows[-1][1] != "up to date":
+            redo.add(name)
+    return rows
+
+
 def guards_this_process(workflow) -> bool:
     """Only Snakemake's main process of a user's run checks and locks: not jobs on cluster nodes (their own
     Snakemake processes), not `dvc repro`'s bookkeeping calls, not sync_dvc.py's DAG build."""

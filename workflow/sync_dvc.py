@@ -7,16 +7,20 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
 * a rule parameter named `cli_*` is a command-line fragment (a path or flag), visible in the cmd;
 * a rule parameter named after a params.yaml section (`probe=config["probe"]`) becomes DVC param
   `probe`; `train__lr=config["train"]["lr"]` becomes `train.lr` (`__` stands for the dot);
-* an output whose name starts with `metrics` is a DVC metric, `plots` a DVC plot (both kept in git,
-  `cache: false`), an output named `persist_*` is kept across reruns (`persist: true`);
+* an output whose name starts with `metrics` is a DVC metric (kept in git, `cache: false`); one named `plots*` is
+  an ordinary cached out with one top-level `plots:` definition (x: step, y: loss/accuracy/margin), so each plot is
+  defined once and `dvc plots diff REV` reads every revision's curve from DVC's cache (results/ is git-ignored:
+  an uncached curve existed in no revision but the workspace); an output named `persist_*` is kept across reruns
+  (`persist: true`);
 * `benchmark:` files and `*.perf.json` logs are not DVC outs (timings change on every run and prove
   nothing); a rule param named `env_*` is a Snakemake-only rerun trigger (the installed packages,
   which DVC cannot hash: DVC sees the lock file, a dep of the environment stage);
 * DVC's cmd is Snakemake's shell command followed by `--record-for-snakemake OUTS`, which runs
   `snakemake --touch OUTS`: Snakemake then records the params, code and inputs DVC just ran with,
   so its params/code triggers agree with DVC instead of reading the records of its own last run;
-* each rule's main `log:` is a DVC out with `cache: false, persist: true` (stage logs carry no
-  timestamps or timings, so the record is the same on every run): the log stays hash-tracked, and
+* each rule's main `log:` is a cached DVC out with `persist: true` (stage logs carry no timestamps or
+  timings, so the record is the same on every run): the log is hash-tracked and, being in DVC's cache,
+  `git checkout <older commit> && dvc checkout` restores it with the other outputs (`dvc status` clean);
   a persisted out turns off DVC's run-cache for the stage (dvc/stage/cache.py `_can_hash`), so DVC
   never restores outputs without running the cmd and its Snakemake bookkeeping.
 """
@@ -104,7 +108,7 @@ def snakemake_jobs(root: Path = ROOT) -> tuple[list, dict]:
 
 
 def render_dvc_yaml(jobs: list, config: dict) -> str:
-    stages = {}
+    stages, curves = {}, []
     for job in jobs:
         named = {path: name for name, path in job["outputs"]}
         outs, metrics, plots = [], [], []
@@ -113,12 +117,13 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
             if name.startswith("metrics"):
                 metrics.append({path: {"cache": False}})
             elif name.startswith("plots"):
-                plots.append({path: {"cache": False}})
+                outs.append(path)           # cached; drawn by the one top-level definition below
+                plots.append(path)
             elif name.startswith("persist"):
                 outs.append({path: {"persist": True}})
             else:
                 outs.append(path)
-        outs.extend({log: {"cache": False, "persist": True}} for log in job["logs"] if not log.endswith(PERF_SUFFIX))
+        outs.extend({log: {"persist": True}} for log in job["logs"] if not log.endswith(PERF_SUFFIX))
         record = " ".join(job["unnamed_outputs"])
         stage = {"cmd": f"{job['cmd']} && python workflow/sync_dvc.py --record-for-snakemake {record}",
                  "deps": job["deps"]}
@@ -130,13 +135,11 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
             stage["outs"] = outs
         if metrics:
             stage["metrics"] = metrics
-        if plots:
-            stage["plots"] = plots
+        curves.extend(plots)
         stages[job["name"]] = stage
     doc = {"stages": stages}
-    curves = [p for st in stages.values() for o in st.get("plots", []) for p in o if p.endswith("train_log.csv")]
     if curves:
-        # Top-level plot definitions, so `dvc plots show/diff` draws the training curves per step.
+        # The one definition of each plot (a stage-level `plots:` entry as well would draw it twice).
         doc["plots"] = [{p: {"x": "step", "y": ["loss", "accuracy", "margin"],
                              "title": f"{Path(p).parent.name} training"}} for p in curves]
     body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)

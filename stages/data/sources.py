@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from stages.data.formats import check_format_options
 from stages.data.messages import RowRejected, type_name
+from stages.lib.io import leaves_repository, workspace_root
 
 
 class SourceError(RuntimeError):
@@ -65,7 +66,8 @@ def source_paths(path: str, base_dir: str | Path = ".") -> list[str]:
     separators. The one expansion of globs and directories: the Snakemake rule lists these files as its inputs,
     which dvc.yaml's deps are generated from (workflow/rules/data.smk, workflow/sync_dvc.py).
     """
-    root = Path(base_dir)
+    # A path leading outside the repository is relative to the workspace, wherever this runs (data_location).
+    root = workspace_root(base_dir) if leaves_repository(path) else Path(base_dir)
     absolute = Path(path).is_absolute()
     where = "" if absolute else f" (relative to {root.resolve()})"
     if _GLOB_MAGIC.search(path):

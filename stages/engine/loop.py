@@ -261,7 +261,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     if adapter is not None:
         log.info("adapter %s r=%d alpha=%g dropout=%g on %s: %d trainable parameters", adapter.settings["type"],
                  adapter.settings["r"], adapter.settings["alpha"], adapter.settings["dropout"],
-                 ",".join(adapter.settings["target_modules"]), adapter.trainable_parameters)
+                 ",".join(adapter.targets), adapter.trainable_parameters)
     return run
 
 

@@ -302,8 +302,10 @@ def _fused_rotary(original):
 
 def use_fused_kernels(model: nn.Module) -> dict:
     """Route a loaded model's norms, SiLU-gated MLPs and rotary embedding through fused kernels on CUDA
-    (RMSNorm: torch's; the others: stages/engine/kernels.py when Triton is importable). Every routed call falls
-    back to HF's own code on CPU, so CPU results are bit-identical. The rotary routing replaces the function
+    (RMSNorm: torch's; the others: stages/engine/kernels.py). Every routed call falls back to HF's own code where
+    the kernels cannot run (CPU, or no Triton: kernels.available), so CPU results are bit-identical. Routing
+    does not depend on whether Triton is installed, so the counts (run_info's `fused_kernels`) of a CPU run are
+    the same from either lock (the runtime lock has no triton). The rotary routing replaces the function
     in the attention class's transformers module (it is a module-level function there, called by name), for
     every model of that class in this process. Returns how many modules of each kind were routed."""
     import sys
@@ -314,8 +316,6 @@ def use_fused_kernels(model: nn.Module) -> dict:
         if name in FUSABLE_RMS_NORMS and hasattr(m, "variance_epsilon"):
             m.forward = types.MethodType(_fused_rms_norm_forward, m)
             counts["rms_norm"] += 1
-        elif kernels.triton is None:       # the Triton-backed routes below need it importable
-            continue
         elif (name in FUSABLE_MLPS and type(getattr(m, "act_fn", None)).__name__ in SILU_ACTIVATIONS
                 and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))):
             m.forward = types.MethodType(_fused_mlp_forward, m)

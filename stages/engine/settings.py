@@ -93,8 +93,8 @@ class TrainSettings:
         except jsonschema.ValidationError as e:
             where = ".".join(str(p) for p in e.absolute_path)
             raise TrainConfigError(f"train{'.' + where if where else ''}: {e.message}") from None
-        train = dict(params["train"])
+        from stages.lib.params import resolved_train
+        train = resolved_train(params["train"])   # adapter: absent = None; a LoRA block's omitted keys filled
         train["adam_betas"] = tuple(float(b) for b in train["adam_betas"])
-        train.setdefault("adapter", None)      # optional key: absent = full fine-tuning
         train.setdefault("optimizer", None)    # optional key: absent = exact AdamW, stepped after backward
         return cls(**{f.name: train[f.name] for f in fields(cls)})

@@ -39,7 +39,11 @@ RECORD_FORMAT = "prefpipe-environment/1"
 
 # Every package whose version can change a number of the pipeline (or the tools that record it).
 RECORDED_PACKAGES = ("torch", "transformers", "peft", "tokenizers", "numpy", "pandas", "pyarrow", "safetensors",
-                     "matplotlib", "snakemake", "dvc", "triton")
+                     "matplotlib", "snakemake", "dvc")
+# Packages that change numbers on GPUs only: Triton compiles the fused CUDA kernels (stages/engine/kernels.py) and
+# never runs in a CPU run. Recorded for GPU runs only, so a CPU run's record is the same whether or not the install
+# has them: the runtime lock (requirements/lock.txt, README command 1) has no triton, the test lock does.
+GPU_PACKAGES = ("triton",)
 
 # The portable CPU pin. ATen's "default" capability is its baseline build of the vectorized kernels;
 # MKL_CBWR=COMPATIBLE is MKL's processor-independent CNR branch; oneDNN is capped to the same
@@ -139,7 +143,7 @@ def environment_record(train: dict) -> dict[str, Any]:
         "python": ".".join(platform.python_version_tuple()[:2]),
         "python_implementation": platform.python_implementation(),
         "machine": platform.machine(),
-        "packages": {name: _version(name) for name in RECORDED_PACKAGES},
+        "packages": {name: _version(name) for name in recorded_packages(train)},
         "cpu_numerics": {**cpu, "portable": wants_portable_cpu(train)},
         "threads_per_process": int(train.get("cpu_threads", 1)),
     }
@@ -148,10 +152,15 @@ def environment_record(train: dict) -> dict[str, Any]:
     return record
 
 
-def installed_fingerprint() -> str:
+def recorded_packages(train: dict) -> tuple[str, ...]:
+    """The packages whose versions a run with these `train` params records (GPU_PACKAGES for GPU runs only)."""
+    return RECORDED_PACKAGES + (GPU_PACKAGES if int(train.get("gpus", 0)) > 0 else ())
+
+
+def installed_fingerprint(train: dict) -> str:
     """The recorded packages' installed versions, cheaply (no torch import): the workflow's rerun
     trigger for the environment rule, which DVC cannot see (it hashes files, not installs)."""
-    return " ".join(f"{name}=={_version(name)}" for name in RECORDED_PACKAGES)
+    return " ".join(f"{name}=={_version(name)}" for name in recorded_packages(train))
 
 
 def compare_records(recorded: dict, actual: dict, prefix: str = "") -> list[str]:

@@ -2,7 +2,7 @@
 
 `python -m stages.report` writes a bundle with these functions and `report verify` (stages/lib/evidence_verify.py)
 recomputes the derived members with the very same ones, then compares bytes: summary.md from the packed metrics,
-bootstrap summary and params; curves/*.png from the packed train logs; environment.json from the environment record
+bootstrap summary, train logs, run records and params; curves/*.png from the packed train logs; environment.json from the environment record
 and the runs' run_info.json; the manifest's `evaluation` map from the packed paths.
 
 Bundle layout (every member under `evidence/`):
@@ -12,10 +12,13 @@ Bundle layout (every member under `evidence/`):
                        file by its hashes: the pin of what normalize read)
   environment.json     the environment record and each training run's layout, objective and settings
   params.yaml          the run's params.yaml, byte for byte but for absolute paths (see portable_path)
-  summary.md           the metrics table and the curves
+  summary.md           the metrics table, what ran (sources, tokenize, reference, training, per-source accuracy for
+                       mixtures: stages/lib/evidence_records.py) and the curves
+  probe_sources.json   each probe pair's source, in probe order (the join per-source accuracy needs)
   curves/<label>_train_curves.png
-  artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary, the train logs, the environment record and
-                       the two probe manifests, under their repo-relative paths
+  artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary, the train logs, the environment record, the
+                       two probe manifests and the run records (normalize_stats, tokenize_report, ref_identity,
+                       run_info: absolute paths in them written portably), under their repo-relative paths
 """
 from __future__ import annotations
 
@@ -36,8 +39,9 @@ from stages.lib.training_plan import plan_warnings
 BUNDLE_ROOT = "evidence"
 MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
 # 2: the manifest's `curves` and `sources`, environment.json's per-run objective and settings, absolute
-# paths in params.yaml written portably. `verify` refuses a format it cannot fully check.
-FORMAT = "prefpipe-evidence/2"
+# paths in params.yaml written portably. 3: the run records packed (an entry `portable: true` when their absolute
+# paths were rewritten), probe_sources.json, summary.md's "What ran". `verify` refuses a format it cannot fully check.
+FORMAT = "prefpipe-evidence/3"
 FIXED_MTIME = 0
 CURVE_COLUMNS = ["loss", "accuracy", "margin", "lr", "grad_norm"]
 # Keys copied from a trainer's run_info.json (top level). A whitelist, because run_info also holds per-rank
@@ -284,9 +288,11 @@ def _f(x: float) -> str:
 
 
 def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict,
-                   train_logs: dict[str, dict[str, list[float]]] | None = None) -> str:
-    """summary.md from the metrics, the bootstrap summary, params and (for the plan's warnings) each run's train
-    log columns by label (read_train_log)."""
+                   train_logs: dict[str, dict[str, list[float]]] | None = None, records: dict | None = None) -> str:
+    """summary.md: the metrics table, the implicit reward scored, the plan's warnings (from each run's train log
+    columns by label, read_train_log), then what ran (`records`: stages.lib.evidence_records.bundle_records of the
+    bundle's members: sources, tokenize, reference, training, per-source accuracy for mixtures), then the curves."""
+    from stages.lib.evidence_records import summary_sections
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]
     if bootstrap is not None:
@@ -315,6 +321,8 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
                                        params["train"]["warmup_ratio"])]
     if warnings:
         lines += ["## Warnings", "", *warnings, ""]
+    if records is not None:
+        lines += summary_sections(records, params)
     if curves:
         lines += ["## Training curves", ""]
         for name in curves:

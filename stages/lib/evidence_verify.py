@@ -9,11 +9,13 @@ checks below also hold each member to what it was made from:
     summary.md, the curve PNGs (SKIPPED, never MATCH, when this matplotlib is not the one that drew them),
     environment.json; metrics and bootstrap bounds recomputed from the per-pair rows by evaluate's code;
   - params.yaml: valid, the settings and objective each run recorded, the data sources the manifest pins;
+  - the packed run records (stages/lib/evidence_records.py) against their sums, one another, the probe manifests
+    and params; probe_sources.json, with a workspace, remade from its probe pairs;
   - with --workspace DIR: every artifact present and equal in DIR (a missing one DIFFERS, naming the stage to
     rerun), dvc.lock recording the same hashes and the same params (absolute paths compared portably), the
-    source files normalize read pinned as the manifest says, environment.json remade from DIR's run_info.json.
+    source files normalize read pinned as the manifest says.
 Without --workspace, hashed-only artifacts and source files are SKIPPED: only the bundle can be checked.
-About 500 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
+About 560 lines, one function per group of checks in the order they print, all over one _Bundle and _Workspace.
 """
 from __future__ import annotations
 
@@ -26,8 +28,11 @@ from typing import Any
 from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
                                  portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
-from stages.lib.io import MD5, hash_bytes, hash_file, sha256_bytes
+from stages.lib.evidence_records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
+                                         record_problems)
+from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
+from stages.lib.params import resolved_train
 
 FLOAT_REL_TOL = 1e-9     # recomputed float64 metrics: same numpy reduction order, only last-bit slack
 MANIFEST = f"{BUNDLE_ROOT}/manifest.json"
@@ -137,8 +142,8 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     b = _Bundle(members, manifest, params)
     ws = _Workspace(workspace) if workspace is not None else None
     for check, args in ((_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
-                        (_check_sources, (ws,)), (_check_evaluation, ()), (_check_derived, (ws,)),
-                        (_check_environment, ())):
+                        (_check_sources, (ws,)), (_check_records, (ws,)), (_check_evaluation, ()),
+                        (_check_derived, ()), (_check_environment, ())):
         _guarded(v, bundle, check, b, *args)
     return v
 
@@ -232,6 +237,17 @@ def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
             data = b.packed(rel)
             if data is None:
                 v.add(False, rel, "packed artifact missing from the bundle")
+            elif e.get("portable"):
+                # Packed with its absolute paths written portably: the member is not the file; DIR's file is.
+                if ws is None:
+                    v.add(None, rel, "packed with absolute paths written portably: give --workspace DIR to check "
+                                     "it against the file")
+                elif not (ws.root / rel).is_file():
+                    v.add(False, rel, f"missing: rerun {stage_of.get(rel, 'the pipeline')}")
+                else:
+                    same = portable_record(rel, (ws.root / rel).read_bytes(), portable_path) == data
+                    v.add(same, rel, "the workspace's file, its absolute paths written portably" if same else
+                          "not the workspace's file with its absolute paths written portably")
             else:
                 md5, sha = hash_bytes(data, MD5), sha256_bytes(data)
                 ok = md5 == e.get("md5") and sha == e.get("sha256") and len(data) == e.get("size")
@@ -273,8 +289,9 @@ _ABSENT = object()
 
 def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     training = b.environment().get("training") or {}
-    # A run's settings are its TrainSettings record: params.yaml's `train`, with no `adapter` key for a full fine-tune.
-    train = {k: val for k, val in b.params["train"].items() if not (k == "adapter" and val is None)}
+    # A run's settings are its TrainSettings record: params.yaml's `train` with a LoRA block's defaults filled, and
+    # no `adapter` key for a full fine-tune.
+    train = {k: val for k, val in resolved_train(b.params["train"]).items() if not (k == "adapter" and val is None)}
     for label in TRAINED:
         run = training.get(label)
         if not isinstance(run, dict) or "settings" not in run:
@@ -319,6 +336,15 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     v.diffs(f"{PARAMS} (dvc.lock)", diffs, f"the {n} params dvc.lock records, stage by stage")
 
 
+def _source_dep_name(dep_path: str, source_path: str, root: Path) -> str:
+    """A normalize dep of dvc.lock by the name the manifest gives its file: the portable form, except for a source
+    outside the repository (`../shared/...`), which dvc.lock records by its absolute path (stages.lib.io
+    data_location) and the manifest as written: named again relative to the workspace."""
+    if os.path.isabs(dep_path) and leaves_repository(source_path):
+        return os.path.normpath(os.path.relpath(dep_path, os.path.abspath(root)))
+    return portable_path(dep_path, source_path)
+
+
 def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     """The manifest's `sources` are params.yaml's, in order, each file pinned; with DIR, dvc.lock's normalize deps
     (mapped to the same portable names) carry the same md5, and the files DIR holds hash to it."""
@@ -338,11 +364,11 @@ def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         lock_sources = None
     for k, src in enumerate(sources):
         lock_path = lock_sources[k]["path"] if lock_sources else None
-        by_name = {} if lock_path is None else {portable_path(d["path"], lock_path): d
+        by_name = {} if lock_path is None else {_source_dep_name(d["path"], lock_path, ws.root): d
                                                   for d in ws.deps.get("normalize", [])}
         for f in src["files"]:
             what = f"source {f['path']}"
-            dep = by_name.get(f["path"])
+            dep = by_name.get(f["path"]) or by_name.get(os.path.normpath(f["path"]))
             if ws.has_lock:
                 _same_md5(v, f"{what} (dvc.lock)", "dvc.lock", dep and dep.get("md5"), f.get("md5"),
                           "not a normalize dep in dvc.lock")
@@ -443,7 +469,7 @@ def _first_difference(have: bytes, want: bytes) -> str:
     return f"bundle {len(a)} lines, recomputed {len(b)}"
 
 
-def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+def _check_derived(v: Verdicts, b: _Bundle) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     metric_files = [e["path"] for e in b.artifacts.values() if e.get("role") == "metrics" and e.get("packed")]
@@ -454,11 +480,11 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         logs = {spec["label"]: read_train_log(spec["train_log"], b.packed(spec["train_log"]).decode("utf-8"))
                 for spec in curves.values() if isinstance(spec, dict) and b.packed(spec.get("train_log")) is not None}
         want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
-                              sorted(curves), b.params, logs).encode("utf-8")
+                              sorted(curves), b.params, logs, bundle_records(b.members, BUNDLE_ROOT)).encode("utf-8")
         have = b.members.get(SUMMARY, b"")
-        v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary and params" if have == want
-              else f"not what report writes from the bundle's metrics, bootstrap summary and params: "
-                   f"{_first_difference(have, want)}")
+        v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary, train logs, run records, "
+              "per-pair rows and params" if have == want else f"not what report writes from the bundle's metrics, "
+              f"bootstrap summary, train logs, run records and params: {_first_difference(have, want)}")
     except (KeyError, TypeError, ValueError) as e:
         v.add(False, SUMMARY, f"cannot be remade from the bundle's metrics and params: {e!r}")
 
@@ -487,18 +513,41 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     facts = {k: val for k, val in record.items() if k != "lock"}
     diffs += [f"training.{label}.record is not the environment record"
               for label, run in sorted((env.get("training") or {}).items()) if run.get("record") != facts]
-    run_infos, detail = {}, "record and the runs' records agree"
-    if ws is not None:
-        for label, stage in TRAINED.items():
-            rel = STAGE_OUTPUTS[stage]["run_info"]
-            path = ws.root / rel
-            if path.is_file() and hash_file(path, (MD5,))[1][MD5] == b.artifacts.get(rel, {}).get("md5"):
-                run_infos[label] = json.loads(path.read_text(encoding="utf-8"))
-        if len(run_infos) == len(TRAINED):
-            detail = "remade from the packed record and the workspace's run_info.json"
-            if json_bytes(build_environment(record, run_infos)) != b.members.get(ENVIRONMENT):
-                diffs.append("not what report writes from the record and the workspace's run_info.json")
+    # The runs' run_info.json are packed (format 3): environment.json is remade from the bundle alone.
+    run_infos = {label: info for label, stage in TRAINED.items()
+                 if isinstance(info := b.packed_json(STAGE_OUTPUTS[stage]["run_info"]), dict)}
+    detail = "remade from the packed environment record and run_info.json"
+    if len(run_infos) != len(TRAINED):
+        diffs.append("the runs' run_info.json are not all packed")
+    elif json_bytes(build_environment(record, run_infos)) != b.members.get(ENVIRONMENT):
+        diffs.append("not what report writes from the packed record and run_info.json")
     v.diffs(ENVIRONMENT, diffs, detail)
+
+
+def _check_records(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
+    """The packed run records (stages/lib/evidence_records.py) against their own arithmetic, one another, the
+    probe manifests, the manifest's sources and params; probe_sources.json, with DIR, remade from its probe pairs."""
+    probe = b.evaluation.get("probe", {})
+    records = bundle_records(b.members, BUNDLE_ROOT)
+    problems = record_problems(records, b.params, b.packed_json(probe.get("probe_manifest")),
+                               b.packed_json(probe.get("probe_token_manifest")), b.manifest.get("sources"),
+                               portable_path)
+    for rel, found in problems.items():
+        v.diffs(f"{rel} (record)", found, "consistent with the other records, the probe manifests and params")
+    rel = STAGE_OUTPUTS["freeze_probe"]["probe"]
+    pm = b.packed_json(probe.get("probe_manifest"))
+    if ws is None or not (ws.root / rel).is_file() or not isinstance(pm, dict):
+        v.add(None, f"{PROBE_SOURCES} (workspace)", f"give --workspace DIR holding {rel} to remake it")
+        return
+    from stages.lib.io import read_parquet
+    table = read_parquet(ws.root / rel).select(["pair_id", "source"]).to_pydict()
+    try:
+        want = probe_sources_record(pm, table["pair_id"], table["source"])
+    except ValueError as e:
+        v.add(False, f"{PROBE_SOURCES} (workspace)", f"{rel}: {e}")
+        return
+    v.add(want == records.get("probe_sources"), f"{PROBE_SOURCES} (workspace)",
+          f"remade from {rel}" if want == records.get("probe_sources") else f"not the sources of {rel}'s pairs")
 
 
 def _check_environment(v: Verdicts, b: _Bundle) -> None:

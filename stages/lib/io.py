@@ -99,6 +99,39 @@ def sha256_file(path: str | os.PathLike) -> str:
     return hash_file(path)[1][SHA256]
 
 
+# ----------------------------------------------------------------------------------------------
+# Data paths outside the repository
+# ----------------------------------------------------------------------------------------------
+
+# DVC runs a queued or temporary experiment (`dvc exp run --queue`, `--temp`) in a copy of the repository under
+# .dvc/tmp/exps/, and sets DVC_ROOT, in the stage commands' environment, to the workspace it was queued from (in
+# the workspace itself DVC_ROOT is the workspace). A relative path that leads outside the repository (README's
+# `../shared/data/...`) means a place beside the workspace, which the copy is not beside.
+DVC_ROOT = "DVC_ROOT"
+
+
+def leaves_repository(path: str) -> bool:
+    """A relative path whose normal form starts with `..`: it names a place outside the repository."""
+    p = path.replace("\\", "/")
+    return not os.path.isabs(p) and os.path.normpath(p).split(os.sep)[0] == os.pardir
+
+
+def workspace_root(base_dir: str | os.PathLike = ".") -> Path:
+    """The workspace this repository copy stands for: DVC_ROOT inside a DVC experiment's copy, else base_dir."""
+    root = os.environ.get(DVC_ROOT)
+    return Path(root) if root and Path(root).is_dir() else Path(base_dir)
+
+
+def data_location(path: str, base_dir: str | os.PathLike = ".") -> str:
+    """Where a data path of params.yaml is on disk: a path inside the repository as written (relative to base_dir,
+    the repository root); one that leads outside it as its absolute location beside the workspace (workspace_root),
+    so it is the same file from the workspace and from DVC's experiment copy, and dvc.yaml names it by a path
+    that exists from both (the rules' inputs, hence dvc.yaml's deps, come from here)."""
+    if not leaves_repository(path):
+        return path
+    return os.path.normpath(os.path.join(os.path.abspath(workspace_root(base_dir)), path))
+
+
 @contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """Yield a temporary path beside `path`; rename it onto `path` only if the block succeeds."""

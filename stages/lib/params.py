@@ -12,8 +12,10 @@
 """
 from __future__ import annotations
 
+import copy
 import math
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -112,34 +114,193 @@ def _key_path(error: jsonschema.ValidationError) -> str:
     return out or "<top level>"
 
 
-def _alternatives_message(error: jsonschema.ValidationError) -> str:
-    """A oneOf/anyOf error says only "is not valid under any of the given schemas". Name what is allowed: the
-    alternatives whose type the value has (their own errors, at their own key paths), else every alternative."""
+def _join(path: str, key: str) -> str:
+    return key if path == "<top level>" else f"{path}.{key}"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+_TYPE_WORDS = {"null": "null", "object": "a mapping", "array": "a list", "string": "a string",
+               "integer": "an integer", "number": "a number", "boolean": "true or false"}
+
+
+def _expected(schema: dict) -> str:
+    """What one alternative of a oneOf/anyOf accepts, in words (for "must be X or Y")."""
+    if "const" in schema:
+        return repr(schema["const"])
+    if "enum" in schema:
+        return f"one of {schema['enum']}"
+    kind = schema.get("type")
+    if kind == "object" and schema.get("properties"):
+        return f"a mapping of {', '.join(schema['properties'])}"
+    if kind == "array" and isinstance(schema.get("items"), dict) and "enum" in schema["items"]:
+        return "a list of those"
+    if kind == "array" and isinstance(schema.get("items"), dict) and schema["items"].get("type"):
+        return f"a list of {_TYPE_WORDS.get(schema['items']['type'], schema['items']['type'])[2:].lstrip()}s"
+    return _TYPE_WORDS.get(kind, "something else") if isinstance(kind, str) else "something else"
+
+
+def _json_type(value: Any) -> str:
+    return ("null" if value is None else "boolean" if isinstance(value, bool) else "number"
+            if isinstance(value, (int, float)) else "string" if isinstance(value, str) else "array"
+            if isinstance(value, list) else "object")
+
+
+def _type_fits(schema: dict, value: Any) -> bool:
+    """Whether `value` has the JSON type an alternative declares (by `type`, or by its enum's / const's values)."""
+    if isinstance(schema.get("type"), str):
+        kind = schema["type"]
+        return _json_type(value) == ("number" if kind == "integer" else kind)
+    values = schema.get("enum", [schema["const"]] if "const" in schema else None)
+    return values is None or _json_type(value) in {_json_type(v) for v in values}
+
+
+def _did_you_mean(value: Any, choices) -> str:
+    import difflib
+    close = (difflib.get_close_matches(str(value), [str(c) for c in choices], n=1, cutoff=0.7)
+             if isinstance(value, str) else [])
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _describe(error: jsonschema.ValidationError) -> list[tuple[str, str]]:
+    """(key path, message) lines for one schema error, each naming the key and what is allowed there:
+    an unknown key with the allowed ones (and the closest), a missing key, an enum value with the closest
+    allowed one; a oneOf/anyOf through the alternative the value's type picks (its own errors, at their own key
+    paths), else "must be X or Y" over every alternative."""
+    where = _key_path(error)
+    if error.validator == "additionalProperties" and isinstance(error.instance, dict):
+        allowed = list((error.schema or {}).get("properties") or {})
+        return [(_join(where, str(key)), f"unknown key{_did_you_mean(key, allowed)}; the keys of "
+                 f"{where} are {', '.join(allowed)}") for key in error.instance if key not in allowed]
+    if error.validator == "required" and isinstance(error.instance, dict):
+        return [(_join(where, str(key)), "missing (a required key)")
+                for key in error.validator_value if key not in error.instance]
+    if error.validator == "enum":
+        return [(where, f"{_short(error.instance)} is not one of {error.validator_value}"
+                        f"{_did_you_mean(error.instance, error.validator_value)}")]
+    if error.validator == "const":
+        return [(where, f"{_short(error.instance)} is not allowed: must be {error.validator_value!r}")]
+    if error.validator not in ("oneOf", "anyOf"):
+        return [(where, error.message)]
+    alternatives = error.validator_value
     by_branch: dict[int, list[jsonschema.ValidationError]] = {}
     for sub in error.context or ():
         by_branch.setdefault(sub.schema_path[0], []).append(sub)
-    # An alternative the value is not even the type of says only "not of type X"; one it is the type of says why.
-    right_type = {b: errs for b, errs in by_branch.items()
-                  if not any(e.validator == "type" and not e.relative_path for e in errs)}
-    chosen = right_type or by_branch
-    parts = []
-    for errs in chosen.values():
-        for e in errs:
-            where = _key_path(e)
-            parts.append(e.message if where == _key_path(error) else f"{where}: {e.message}")
-    return f"{error.instance!r} is not allowed: " + " or ".join(dict.fromkeys(parts))
+    # An alternative the value is not even the type of says only "not of type X" (or, for a list of names, that a
+    # list is none of them); one it is the type of says why.
+    right_type = {b: errs for b, errs in by_branch.items() if _type_fits(alternatives[b], error.instance)}
+    value_level = ("const", "enum")
+    if len(right_type) == 1:
+        (errs,) = right_type.values()
+        deeper = [e for e in errs if not (e.validator in value_level and not e.relative_path)]
+        if deeper:
+            return [line for e in deeper for line in _describe(e)]
+    choices = [v for alt in alternatives for v in alt.get("enum", [alt["const"]] if "const" in alt else [])]
+    return [(where, f"{_short(error.instance)} is not allowed: must be "
+                    f"{' or '.join(_expected(alt) for alt in alternatives)}{_did_you_mean(error.instance, choices)}")]
 
 
 def validate_params(params: dict, source: str = "params.yaml") -> dict:
     validator = jsonschema.Draft202012Validator(load_schema())
     errors = sorted(validator.iter_errors(params), key=lambda e: list(map(str, e.absolute_path)))
     if errors:
-        lines = []
-        for e in errors:
-            message = _alternatives_message(e) if e.validator in ("oneOf", "anyOf") else e.message
-            lines.append(f"  {_key_path(e)}: {message}")
+        lines = dict.fromkeys(f"  {where}: {message}" for e in errors for where, message in _describe(e))
         raise ParamsError(f"{source} is invalid:\n" + "\n".join(lines))
     return params
+
+
+# ---------------------------------------------------------------------------------------------
+# Defaults the schema declares
+# ---------------------------------------------------------------------------------------------
+
+def schema_defaults(node: dict) -> dict[str, Any]:
+    """{key: default} of an object schema's properties that declare a `default`."""
+    return {key: copy.deepcopy(prop["default"]) for key, prop in (node.get("properties") or {}).items()
+            if isinstance(prop, dict) and "default" in prop}
+
+
+def resolved_train(train: dict) -> dict:
+    """params.yaml's `train` as a run uses it (engine/settings.py TrainSettings; what run_info records and report
+    verify compares): `adapter` absent = null (full fine-tuning); a LoRA block's omitted keys take the schema's
+    defaults (workflow/schemas/params.schema.yaml train.adapter, the one place they are written)."""
+    out = dict(train)
+    adapter = out.get("adapter")
+    if adapter is None:
+        out["adapter"] = None
+    else:
+        alternatives = load_schema()["properties"]["train"]["properties"]["adapter"]["oneOf"]
+        lora = next(alt for alt in alternatives if alt.get("type") == "object")
+        out["adapter"] = {**schema_defaults(lora), **adapter}
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing keys into params.yaml, keeping its comments and layout
+# ---------------------------------------------------------------------------------------------
+
+def _yaml_scalar(value: Any) -> str:
+    """`value` as one plain YAML scalar (quoted only where YAML needs it)."""
+    text = yaml.safe_dump(value, default_flow_style=True, width=10 ** 9).strip()
+    return text[:-len("\n...")].strip() if text.endswith("\n...") else text
+
+
+def set_section_keys(text: str, section: str, values: dict[str, Any], source: str = "params.yaml") -> str:
+    """params.yaml's text with `section`'s keys set to `values`, edited in place: every other line, comment and
+    the order of keys stay as they are (a key the block lacks is added after its last key; a section the file
+    lacks is appended). Refused (ParamsError) when the result does not parse to exactly that change, e.g. a
+    section written in flow style or a value spread over several lines."""
+    lines = text.splitlines(keepends=True)
+    before = yaml.safe_load(text) or {}
+    refusal = ParamsError(f"{source}: could not set {section}.{{{', '.join(values)}}} by editing the file in place "
+                          f"(is `{section}:` written in flow style, or a value over several lines?): set them by "
+                          "hand: " + ", ".join(f"{section}.{k}: {_yaml_scalar(v)}" for k, v in values.items()))
+    head = next((i for i, line in enumerate(lines) if re.match(rf"{re.escape(section)}:\s*(#.*)?$", line.rstrip("\n"))),
+                None)
+    if head is None and section in before:
+        raise refusal
+    if head is None:
+        block = [f"{section}:\n"] + [f"  {k}: {_yaml_scalar(v)}\n" for k, v in values.items()]
+        out = text + ("" if not text or text.endswith("\n") else "\n") + "\n" + "".join(block)
+    else:
+        end = head + 1
+        while end < len(lines) and (not lines[end].strip() or lines[end][0] in " \t#"):
+            end += 1
+        keyed = {}
+        for i in range(head + 1, end):
+            m = re.match(r"([ \t]+)([A-Za-z0-9_]+):(\s*)(.*?)(\s+#.*)?$", lines[i].rstrip("\n"))
+            if m and (not keyed or m.group(1) == next(iter(keyed.values()))[1].group(1)):
+                keyed[m.group(2)] = (i, m)
+        indent = next(iter(keyed.values()))[1].group(1) if keyed else "  "
+        last = max((i for i, _ in keyed.values()), default=head)
+        added = []
+        for key, value in values.items():
+            if key in keyed:
+                i, m = keyed[key]
+                lines[i] = f"{m.group(1)}{key}: {_yaml_scalar(value)}{m.group(5) or ''}\n"
+            else:
+                added.append(f"{indent}{key}: {_yaml_scalar(value)}\n")
+        lines[last + 1:last + 1] = added
+        out = "".join(lines)
+    if yaml.safe_load(out) != {**before, section: {**(before.get(section) or {}), **values}}:
+        raise refusal
+    return out
+
+
+def write_params_keys(path: str | os.PathLike, section: str, values: dict[str, Any]) -> None:
+    """set_section_keys on the file at `path`, written atomically with its permissions kept; the result must
+    pass the pre-flight (preflight_params), else the file is left as it was."""
+    from stages.lib.io import atomic_path
+    path = Path(path)
+    text = set_section_keys(path.read_text(encoding="utf-8"), section, values, str(path))
+    load_yaml_unique(text, str(path))
+    mode = path.stat().st_mode & 0o7777
+    with atomic_path(path) as tmp:
+        tmp.write_text(text, encoding="utf-8")
+        os.chmod(tmp, mode)
+        preflight_params(tmp)
 
 
 # ---------------------------------------------------------------------------------------------

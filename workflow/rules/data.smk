@@ -3,13 +3,16 @@
 # The data package owns the expansion of a source's glob / directory into its files: these inputs
 # (and so dvc.yaml's deps, generated from them) are exactly the files normalize reads. (common.smk puts
 # the repository on sys.path; the Snakefile's pre-flight has refused a source naming no data file.)
+from stages.lib.io import data_location
 from stages.data.sources import resolve_source_files
 
 
 rule normalize:
     input:
         environment=ENV_RECORD,
-        sources=[f for _, files in resolve_source_files(config["data"]["sources"]) for f in files],
+        # A source outside the repository (../shared/...) by its absolute path: dvc.yaml's dep must exist from DVC's
+        # experiment copy too (`dvc exp run --queue` runs in .dvc/tmp/exps/..., where ../ is elsewhere).
+        sources=[data_location(f) for _, files in resolve_source_files(config["data"]["sources"]) for f in files],
         code=code_deps("stages.normalize"),
     output:
         pairs=OUT["normalize"]["pairs"],

@@ -16,7 +16,7 @@ rule environment:
         train__portable_numerics=config["train"]["portable_numerics"],
         # Snakemake-only rerun trigger (sync_dvc.py drops env_* params): a package upgraded outside the
         # lock reruns this rule; DVC sees only the lock file.
-        env_installed=installed_fingerprint(),
+        env_installed=installed_fingerprint(config["train"]),
     conda:
         "../envs/pipeline.yaml"
     log:
