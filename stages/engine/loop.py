@@ -322,9 +322,11 @@ def save(run: Run, ckpt: CheckpointOptions) -> None:
 
 def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
           probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
-          environment: dict | None = None, perf_path: Path | None = None) -> dict:
+          environment: dict | None = None, perf_path: Path | None = None,
+          export_files: dict[str, str] | None = None) -> dict:
     """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
-    export; returns run_info plus its `perf` (rank 0 writes files).
+    export (with `export_files` written beside the tokenizer: export_model); returns run_info plus its `perf`
+    (rank 0 writes files).
 
     run_info.json holds only what the same commit, params, data and environment reproduce byte for byte
     (it is an artifact hashed in dvc.lock and the evidence); timings, throughput and memory go to
@@ -395,7 +397,8 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
         with torch.no_grad():
             run.module.float()
             torch._foreach_copy_(run.optimizer.model_params, run.optimizer.master_params)
-    export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model", run.adapter)
+    export_model(run.module, objective, settings, env, Path(model_dir), run.out_dir / "model", run.adapter,
+                 extra_files=export_files)
     after_loop = {"probe_final": round(t_export - t_probe, 3), "export": round(time.perf_counter() - t_export, 3)}
     return write_records(run, graph_info, environment, perf_path, train_log.throughput, train_seconds,
                          time.perf_counter() - t_start, after_loop)
