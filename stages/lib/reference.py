@@ -470,3 +470,9 @@ def max_positions(ref_dir: str | os.PathLike) -> tuple[int, str, Path] | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, prefix + key, path
     return None
+
+
+def pinned_model_record(identity_path: str | os.PathLike) -> dict:
+    """What a stage's record says of a pinned model: its source, repo_id, revision and identity digest (no path)."""
+    identity = read_identity(identity_path)
+    return {k: identity[k] for k in ("source", "repo_id", "revision", "identity_digest")}
