@@ -12,10 +12,10 @@ Bundle layout (every member under `evidence/`):
                        file by its hashes: the pin of what normalize read)
   environment.json     the environment record and each training run's layout, objective and settings
   params.yaml          the run's params.yaml, byte for byte but for absolute paths (see portable_path)
-  summary.md           the metrics table and the curves
+  summary.md           the metrics table, the generation section (evidence_generation.py) and the curves
   curves/<label>_train_curves.png
-  artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary, the train logs, the environment record and
-                       the two probe manifests, under their repo-relative paths
+  artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary, the train logs, the environment record,
+                       the two probe manifests and the judge's outputs, under their repo-relative paths
 """
 from __future__ import annotations
 
@@ -35,8 +35,9 @@ from stages.lib.io import MD5, SHA256, hash_bytes, hash_file
 BUNDLE_ROOT = "evidence"
 MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
 # 2: the manifest's `curves` and `sources`, environment.json's per-run objective and settings, absolute
-# paths in params.yaml written portably. `verify` refuses a format it cannot fully check.
-FORMAT = "prefpipe-evidence/2"
+# paths in params.yaml written portably. 3: the generation evaluation (generate's and judge's artifacts, the
+# judgments packed, summary.md's generation section). `verify` refuses a format it cannot fully check.
+FORMAT = "prefpipe-evidence/3"
 FIXED_MTIME = 0
 CURVE_COLUMNS = ["loss", "accuracy", "margin", "lr", "grad_norm"]
 # Keys copied from a trainer's run_info.json (top level). A whitelist, because run_info also holds per-rank
@@ -282,7 +283,10 @@ def _f(x: float) -> str:
     return f"{x:.4f}"
 
 
-def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict) -> str:
+def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict,
+                   generation: dict | None = None) -> str:
+    """generation: the packed judge outputs (stages/lib/evidence_generation.py generation_members), or None."""
+    from stages.lib.evidence_generation import render_generation_section
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]
     if bootstrap is not None:
@@ -302,6 +306,7 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
             f"{_f(s0['mean_margin'])} -> {_f(fi['mean_margin'])} |")
     lines += ["", "Accuracy counts a tie as 0.5; for DPO it is the implicit reward accuracy. "
               "Training helped when the improvement's lower bound is above 0.", ""]
+    lines += render_generation_section(generation, params)
     if curves:
         lines += ["## Training curves", ""]
         for name in curves:

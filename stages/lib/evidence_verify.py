@@ -26,6 +26,7 @@ from typing import Any
 from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
                                  portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
+from stages.lib.evidence_generation import check_generation, generation_members
 from stages.lib.io import MD5, hash_bytes, hash_file, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
 
@@ -137,7 +138,7 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     b = _Bundle(members, manifest, params)
     ws = _Workspace(workspace) if workspace is not None else None
     for check, args in ((_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
-                        (_check_sources, (ws,)), (_check_evaluation, ()), (_check_derived, (ws,)),
+                        (_check_sources, (ws,)), (_check_evaluation, ()), (check_generation, ()), (_check_derived, (ws,)),
                         (_check_environment, ())):
         _guarded(v, bundle, check, b, *args)
     return v
@@ -451,7 +452,7 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     try:
         metrics = {metrics_label(p): b.packed_json(p) for p in metric_files}
         want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
-                              sorted(curves), b.params).encode("utf-8")
+                              sorted(curves), b.params, _bundle_generation(b)).encode("utf-8")
         have = b.members.get(SUMMARY, b"")
         v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary and params" if have == want
               else f"not what report writes from the bundle's metrics, bootstrap summary and params: "
@@ -496,6 +497,11 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
             if json_bytes(build_environment(record, run_infos)) != b.members.get(ENVIRONMENT):
                 diffs.append("not what report writes from the record and the workspace's run_info.json")
     v.diffs(ENVIRONMENT, diffs, detail)
+
+
+def _bundle_generation(b: _Bundle) -> dict | None:
+    """The packed judge outputs, as report read them for summary.md (stages/lib/evidence_generation.py)."""
+    return generation_members(b.packed_json, lambda rel: None if b.packed(rel) is None else b.packed(rel).decode())
 
 
 def _check_environment(v: Verdicts, b: _Bundle) -> None:
