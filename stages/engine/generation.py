@@ -23,7 +23,7 @@ the comparison's noise cancels where the two distributions agree).
 
 Batch invariance on CPU (`row_invariant_linears`): MKL's single-threaded sgemm under the portable pin
 (stages/lib/environment.py) gives a row of x @ W.T the same bits for any number of rows as long as that number is
-a multiple of 8 (fewer, or a remainder, take other kernels: tests/test_generation.py measures both), so during
+a multiple of 8 (fewer, or a remainder, take other kernels: tests/test_generation.py checks both), so during
 generation every nn.Linear runs on its rows padded with zeros to a multiple of 8. The rest is per row already
 (norms, rotary tables, elementwise ops, each prompt's own attention in the prefill, the decode attention of one
 (row, KV head) pair at a time over the fixed L), so on CPU a completion's tokens and the recorded outputs do not
@@ -52,10 +52,10 @@ from stages.engine.modeling import (load_causal_lm, packed_attention_forward, re
                                     use_fused_kernels)
 from stages.engine.packing import TokenPairs
 from stages.lib.contracts import STOP_REASONS  # noqa: F401 - the reasons a Completion's stop_reason takes
+from stages.lib.reference import is_adapter_dir, judge_head_problem  # noqa: F401 - the stages import it here
 
 GENERATION_ATTENTION = "prefpipe_generation"
 ROW_MULTIPLE = 8          # rows per GEMM call on CPU: a multiple of this keeps each row's bits (module docstring)
-ADAPTER_CONFIG = "adapter_config.json"
 
 
 class GenerationError(ValueError):
@@ -414,10 +414,6 @@ def inference_dtype(device: torch.device) -> torch.dtype:
     return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
-def is_adapter_dir(model_dir) -> bool:
-    return (Path(model_dir) / ADAPTER_CONFIG).is_file()
-
-
 def load_policy_lm(model_dir, reference_dir, device: torch.device, dtype: torch.dtype) -> nn.Module:
     """A causal LM for generation and scoring: `model_dir` (HF), or peft's adapter directory over the reference,
     merged. Eval mode, no gradients, GENERATION_ATTENTION, on `device` in `dtype`."""
@@ -438,32 +434,6 @@ def as_generation_model(model: nn.Module, device: torch.device, dtype: torch.dty
     gradients, on `device` in `dtype` (bench/generation_bench.py calls it on models built from a config)."""
     model.set_attn_implementation(register_generation_attention())
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
-
-
-def judge_head_problem(model_dir) -> str | None:
-    """Why `model_dir` cannot judge (not a sequence-classification model with one label), read from its config
-    files before any weight is loaded; None when it can. An adapter directory must be peft's SEQ_CLS task with
-    the `score` head saved beside it."""
-    model_dir = Path(model_dir)
-    if is_adapter_dir(model_dir):
-        cfg = json.loads((model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
-        saved = cfg.get("modules_to_save") or []
-        if cfg.get("task_type") != "SEQ_CLS" or "score" not in saved:
-            return (f"{model_dir / ADAPTER_CONFIG}: task_type {cfg.get('task_type')!r}, modules_to_save {saved}: not "
-                    "a reward model's adapter (a SEQ_CLS adapter with its trained `score` head)")
-        return None
-    path = model_dir / "config.json"
-    try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        return f"{path}: not readable ({e})"
-    archs = cfg.get("architectures") or []
-    labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)
-    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
-        return f"{path}: architectures {archs} is not a sequence-classification model (a reward model has a scalar head)"
-    if labels != 1:
-        return f"{path}: a sequence-classification model with {labels} labels, not a scalar reward (num_labels 1)"
-    return None
 
 
 def load_judge(model_dir, reference_dir, device: torch.device, dtype: torch.dtype) -> nn.Module:
