@@ -19,8 +19,13 @@ reported in the bootstrap summary (`probe_truncated`).
 
 Per model and checkpoint (step 0, final): accuracy with ties counted as 0.5 (and the tie count), mean
 margin; for DPO `accuracy` is the implicit reward accuracy (chosen_reward > rejected_reward), and
-`logp_accuracy` (policy prefers chosen by raw log-prob) is reported beside it. `correct` is
-recomputed from the scores; a file whose `correct` disagrees is refused.
+`logp_accuracy` (policy prefers chosen by raw summed log-prob) is reported beside it. The implicit reward is
+the one dpo.loss declares (stages/engine/dpo_losses.py; docs/DPO_LOSSES.md "probe reward"), which train_dpo
+writes into each probe row: beta * (policy - ref) summed over the completion, or, for the length-normalized
+losses, divided by the completion's token count (rows with `implicit_reward: mean_logp` and the two counts,
+checked against --probe-tokens when given); step 0 and final must score the same one, and metrics/dpo.json
+records it when it is not the summed one. `correct` is recomputed from the scores; a file whose `correct`
+disagrees is refused.
 
 Paired bootstrap, FP64: one `Generator(PCG64(seed)).integers(0, n, (replicates, n))` index matrix
 (the exact draw `scipy.stats.bootstrap(..., paired=True)` makes), applied to step 0 and final alike;
@@ -43,16 +48,20 @@ from stages.lib.params import ParamsError, load_params
 from stages.lib.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
 
 
-def _swapped_token_hashes(probe_tokens_path: str | Path) -> dict[str, tuple[str, str]]:
-    """pair_id -> (token_hash as recorded, token_hash with chosen and rejected exchanged). The recorded hashes are
-    first recomputed from the ids: a swap is named from them, so they must be the ids' own."""
+def _probe_token_facts(probe_tokens_path: str | Path) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[int, int]]]:
+    """(pair_id -> (token_hash as recorded, token_hash with chosen and rejected exchanged), pair_id -> (chosen,
+    rejected) completion token counts). The recorded hashes are first recomputed from the ids: a swap is named
+    from them, so they must be the ids' own."""
     table = read_parquet(probe_tokens_path)
     if (problem := token_hash_problem(table, str(probe_tokens_path))) is not None:
         raise ProbeMismatchError(problem)
     table = table.to_pylist()
-    return {r["pair_id"]: (r["token_hash"], token_hash(r["rejected_ids"], r["rejected_prompt_len"],
-                                                      r["chosen_ids"], r["chosen_prompt_len"]))
-            for r in table}
+    swapped = {r["pair_id"]: (r["token_hash"], token_hash(r["rejected_ids"], r["rejected_prompt_len"],
+                                                         r["chosen_ids"], r["chosen_prompt_len"]))
+               for r in table}
+    counts = {r["pair_id"]: (len(r["chosen_ids"]) - r["chosen_prompt_len"],
+                             len(r["rejected_ids"]) - r["rejected_prompt_len"]) for r in table}
+    return swapped, counts
 
 
 def _read_manifest(path: str, schema: dict, what: str) -> dict:
@@ -92,7 +101,7 @@ def _run(args) -> int:
     probe_manifest = _read_manifest(args.probe_manifest, PROBE_MANIFEST_SCHEMA, "probe manifest")
     token_manifest = _read_manifest(args.probe_token_manifest, PROBE_TOKEN_MANIFEST_SCHEMA, "probe token manifest")
     check_manifests(probe_manifest, token_manifest, params["probe"]["size"])
-    swapped = _swapped_token_hashes(args.probe_tokens) if args.probe_tokens else None
+    swapped, counts = _probe_token_facts(args.probe_tokens) if args.probe_tokens else (None, None)
     truncated = _truncation_counts(token_manifest)
     if truncated["pairs"]:
         log.info("probe: %d of %d pairs were truncated by tokenize %s (scored as truncated; listed in %s)",
@@ -106,8 +115,11 @@ def _run(args) -> int:
     for kind, s0_path, f_path, out_path in (("dpo", args.dpo_step0, args.dpo_final, args.metrics_dpo),
                                            ("rm", args.rm_step0, args.rm_final, args.metrics_rm)):
         metrics, summary = evaluate_model(kind, read_jsonl(s0_path), read_jsonl(f_path), probe_manifest,
-                                          token_manifest, params, s0_path, f_path, swapped)
+                                          token_manifest, params, s0_path, f_path, swapped, completion_tokens=counts)
         models[kind] = (metrics, summary, out_path)
+        if "implicit_reward" in metrics:
+            log.info("%s: scored on the %s implicit reward the probe rows declare (dpo.loss's own)", kind,
+                     metrics["implicit_reward"])
         log.info("%s: accuracy step0 %.4f -> final %.4f [%.4f, %.4f], improvement %.4f [%.4f, %.4f]", kind,
                  metrics["step0"]["accuracy"], metrics["final"]["accuracy"], metrics["final"]["accuracy_ci_low"],
                  metrics["final"]["accuracy_ci_high"], metrics["improvement"]["accuracy"],

@@ -7,7 +7,7 @@
 
 Columns: pair_id, split (train|probe), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
 token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens); the footer carries a digest
-of the values (objectives.write_ref_logps), checked where train_dpo reads them.
+of the values (stages/lib/ref_logps_table.py write_ref_logps), checked where train_dpo reads them.
 Packing, prompt sharing, chunking, precision and compile follow params `train` exactly as train_dpo's probe pass
 does, so the policy's step-0 probe log-probs reproduce these and every step-0 pair ties.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from stages.lib.io import MEASUREMENT, write_json
 from stages.engine.modeling import ModelLoadError, SequenceLogProbs, load_causal_lm
-from stages.engine.objectives import ref_logps_table, write_ref_logps
+from stages.lib.ref_logps_table import ref_logps_table, write_ref_logps
 from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_tokens, resolve_model_dir,

@@ -202,7 +202,9 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
     file_hash = dict(zip(data_files, hashes[len(rels):]))
     metrics_by_label = {metrics_label(p): json.loads(_read(p, cwd)) for p in metrics}
     boot = json.loads(_read(bootstrap_summary, cwd)) if bootstrap_summary else None
-    summary = render_summary(metrics_by_label, boot, sorted(curves), params, _generation(packed, cwd))
+    summary = render_summary(metrics_by_label, boot, sorted(curves), params,
+                             {label: read_train_log(_path(p, cwd)) for label, p in train_logs.items()},
+                             _generation(packed, cwd))
     members[f"{BUNDLE_ROOT}/summary.md"] = summary.encode("utf-8")
 
     manifest = {

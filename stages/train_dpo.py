@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import logging
 
-from stages.engine.objectives import (DPOLossError, DPOObjective, RefLogpsError, check_dpo_params, read_ref_logps,
-                                      ref_logps_for)
 from stages.data.limits import TokenizeError
 from stages.data.pair_tokenizer import export_template_files
+from stages.engine.dpo_losses import DPOLossError, check_dpo_params, loss_hints
+from stages.engine.dpo_objective import DPOObjective
+from stages.lib.ref_logps_table import RefLogpsError, read_ref_logps, ref_logps_for
 from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
@@ -50,6 +51,9 @@ def _run(args) -> dict:
     startup.mark("process_group")
     try:
         log = logging.getLogger("train_dpo")
+        if env.is_main:
+            for hint in loss_hints(dpo):                # a setting far from the loss's paper, said before the run
+                log.warning("%s", hint)
         environment = stage_environment(args, settings)
         startup.mark("environment")
         model_dir = resolve_model_dir(args)

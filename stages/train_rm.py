@@ -14,9 +14,9 @@ sequence's last token whose id != pad_token_id: the token HF's sequence-classifi
 """
 from __future__ import annotations
 
-from stages.engine.objectives import RewardObjective
 from stages.data.limits import TokenizeError
 from stages.data.pair_tokenizer import export_template_files
+from stages.engine.reward_objective import RewardObjective
 from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,

@@ -246,3 +246,32 @@ def test_generation_bench_runs_the_stage_loop_and_hf_on_a_tiny_shape_on_cpu(tmp_
     ref_w = dict(models["reference"].named_parameters())
     changed = [n for n, p in models["policy"].named_parameters() if not torch.equal(p, ref_w[n])]
     assert changed and all(any(t in n for t in generation_bench.LORA["target_modules"]) for n in changed)
+
+
+def test_memory_fit_table_is_the_plan_with_the_fewest_checkpointed_layers_that_fit():
+    """bench/memory_fit.py's cells are the engine's own plan: a 'yes' plan fits its device and one fewer
+    checkpointed layer would not; a 'no' means even every layer checkpointed does not fit."""
+    from dataclasses import replace
+
+    import memory_fit
+    from stages.engine.memory_plan import estimate
+    cfg = memory_fit.model_config(*memory_fit.SHAPES["Qwen2.5-7B"])
+    rows = memory_fit.fit_rows(cfg, "lm_head", 4096)
+    assert [r["mode"] for r in rows] == memory_fit.MODES
+    for row in rows:
+        settings = memory_fit.settings_for(row["mode"])
+        for name, size in memory_fit.DEVICES.items():
+            plan = row[name]
+            if plan is None:
+                everything = estimate(cfg, "lm_head", replace(settings, activation_checkpointing=True),
+                                      4096, 1, size, "cuda", True)
+                assert everything.total > size, (row["mode"], name)
+                continue
+            assert plan.total <= size
+            if plan.checkpointed_layers:
+                fewer = estimate(cfg, "lm_head", replace(
+                    settings, activation_checkpointing=plan.checkpointed_layers - 1), 4096, 1, size, "cuda", True)
+                assert fewer.total > size, (row["mode"], name)
+    # exact AdamW at 7B does not fit 80 GB in any checkpointing; bf16_sr_8bit does without any
+    assert rows[0]["80 GB (79.1 GiB)"] is None and rows[4]["80 GB (79.1 GiB)"].checkpointed_layers == 0
+    assert "| `{state: bf16_sr_8bit}` |" in memory_fit.table("t", rows)

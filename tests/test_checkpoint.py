@@ -396,8 +396,9 @@ def complete_steps(directory: Path) -> list[int]:
     return sorted(s for s, _, _ in list_checkpoints(directory)[0])
 
 
-def interrupted_saves(directory: Path) -> list[Path]:
-    return [p for p in directory.glob(".tmp-step_*") if (p / META).is_file()] if directory.is_dir() else []
+def interrupted_saves(directory: Path, step: int | None = None) -> list[Path]:
+    pattern = ".tmp-step_*" if step is None else f".tmp-step_{step:08d}-*"
+    return [p for p in directory.glob(pattern) if (p / META).is_file()] if directory.is_dir() else []
 
 
 @pytest.mark.slow
@@ -426,7 +427,8 @@ def test_sigkill_after_and_during_checkpoint_saves_then_resume_equals_uninterrup
     run = ckpt_args(assets, "run", params, ck, extra=ref)
     kill_when(launch(2, "stages.train_dpo", run, hook="after_save:2"), lambda: 2 in complete_steps(ck))
     # Resume, then die DURING the save of step 6: its files and meta.json are written, the rename is not.
-    kill_when(launch(2, "stages.train_dpo", run, hook="before_rename:6"), lambda: interrupted_saves(ck))
+    # Wait for step 6's own temp directory: step 4's exists with its meta.json for a moment before its rename.
+    kill_when(launch(2, "stages.train_dpo", run, hook="before_rename:6"), lambda: interrupted_saves(ck, 6))
     assert complete_steps(ck) == [2, 4] and len(interrupted_saves(ck)) == 1
     err = finish(launch(2, "stages.train_dpo", run))
     assert "ignoring incomplete checkpoint" in err and "4 of 8 optimizer steps done" in err

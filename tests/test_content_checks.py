@@ -166,7 +166,7 @@ def test_ref_logps_flips_in_pages_and_footer_are_refused(assets):
     """The issue's ref_logps scenario: the real stage's file, one bit flipped, in a page (page CRC) or in the footer
     (the values digest: the CRCs do not cover the footer, where flips rename columns, retype them or drop rows)."""
     from stages import ref_logps, train_dpo
-    from stages.engine.objectives import read_ref_logps
+    from stages.lib.ref_logps_table import read_ref_logps
     params = write_params(assets / "p.yaml", train={"epochs": 1})
     ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
     good = (assets / "ref.parquet").read_bytes()

@@ -26,8 +26,10 @@ import yaml
 
 from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, reference_seq_logps, toy_task_rows,
                             write_token_parquet)
-from stages.engine.objectives import DPOObjective, dpo_pair_losses
-from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, pad_packed_batch, plan_training
+from stages.engine.dpo_losses import dpo_pair_losses
+from stages.engine.dpo_objective import DPOObjective
+from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, plan_training
+from stages.engine.padded_shapes import pad_packed_batch
 from stages.lib.params import ParamsError, load_params, validate_params
 
 REPO = Path(__file__).resolve().parents[1]
@@ -264,11 +266,14 @@ def test_length_normalized_ipo_counts_each_branch_completion_tokens_in_packed_ba
         want.append((h - 1 / (2 * beta)) ** 2)
     assert any(len(rows[p]["chosen_ids"]) != len(rows[p]["rejected_ids"]) for p in micro)
     torch.testing.assert_close(losses[:len(micro)], torch.tensor(want, dtype=torch.float64))
-    # the implicit rewards (metrics, probe rows, evaluate) stay beta * the summed log-ratio
+    # the implicit rewards (metrics, probe rows, evaluate) are the loss's own: beta * the per-token MEAN log-ratio
+    # (issue 29: the length-normalized losses are scored on what they optimize)
     pc, pr = seq_out[0:2 * len(micro):2], seq_out[1:2 * len(micro):2]
     idx = torch.tensor(micro)
-    torch.testing.assert_close(metrics[:len(micro), 4], beta * (pc - torch.from_numpy(ref[:, 0])[idx]))
-    torch.testing.assert_close(metrics[:len(micro), 5], beta * (pr - torch.from_numpy(ref[:, 1])[idx]))
+    n = torch.tensor([[len(rows[p]["chosen_ids"]) - rows[p]["chosen_prompt_len"],
+                       len(rows[p]["rejected_ids"]) - rows[p]["rejected_prompt_len"]] for p in micro], dtype=torch.float64)
+    torch.testing.assert_close(metrics[:len(micro), 4], beta * (pc - torch.from_numpy(ref[:, 0])[idx]) / n[:, 0])
+    torch.testing.assert_close(metrics[:len(micro), 5], beta * (pr - torch.from_numpy(ref[:, 1])[idx]) / n[:, 1])
     assert (batch.pair_weight[len(micro):] == 0).all()
 
     # aot sorts over the micro-batch: the padding pairs of a CUDA-graph shape stay out of the sort, so the

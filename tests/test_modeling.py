@@ -12,7 +12,8 @@ from engine_helpers import (make_tiny_model_dir, pair_seqs, random_rows, referen
                             token_row, write_token_parquet)
 from stages.engine.modeling import (ModelLoadError, SequenceLogProbs, SequenceRewards, load_causal_lm,
                                  load_reward_model)
-from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, pack_micro_batches, pad_packed_batch
+from stages.engine.packing import BatchDims, build_packed_batch, load_token_pairs, pack_micro_batches
+from stages.engine.padded_shapes import pad_packed_batch
 from stages.engine.data import model_inputs as batch_inputs   # the trainer's own batch -> forward mapping
 
 torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine

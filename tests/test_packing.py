@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from engine_helpers import random_rows, token_row, write_token_parquet
-from stages.engine.packing import (BatchDims, TokenDataError, assign_pairs_to_ranks, batch_dims, build_packed_batch,
-                                load_token_pairs, pack_micro_batches, pad_packed_batch, plan_inference,
-                                plan_padded_shapes, plan_training, shared_prompt_flags)
+from stages.engine.packing import (BatchDims, TokenDataError, assign_pairs_to_ranks, build_packed_batch,
+                                load_token_pairs, pack_micro_batches, plan_inference, plan_training)
+from stages.engine.padded_shapes import batch_dims, pad_packed_batch, plan_padded_shapes, shared_prompt_flags
 
 
 def test_load_token_pairs_interleaves_chosen_and_rejected(tmp_path):

@@ -163,7 +163,8 @@ def test_a_completion_of_only_pad_tokens_is_refused_naming_the_pair(tmp_path):
                          probe[1]["rejected_ids"][:probe[1]["rejected_prompt_len"]] + [2, 2],
                          probe[1]["rejected_prompt_len"])
     write_token_parquet(tmp_path / "probe.parquet", probe)
-    params = write_params(tmp_path / "p.yaml", train={"epochs": 1})
+    # 2 steps: one batch of all 8 pairs would be a single step at lr 0, which the plan check refuses first
+    params = write_params(tmp_path / "p.yaml", train={"epochs": 1, "global_batch_pairs": 4})
     with pytest.raises(SystemExit, match=r"train_rm: refused: .*probe\.parquet: row 1 \(pair q_only_eos\) rejected: "
                                          r"every completion token is the pad token 2") as e:
         train_rm.main(stage_args(tmp_path, "--out-dir", tmp_path / "rm", params))

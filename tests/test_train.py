@@ -24,8 +24,10 @@ from engine_helpers import (make_tiny_model_dir, pair_seqs, reference_rm_scores,
 from stages.engine.optim import lr_factor
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl, read_parquet
-from stages.engine.objectives import (RefLogpsError, dpo_pair_losses, ref_logps_for, ref_logps_table,
-                                   reward_pair_losses, tie_aware_accuracy)
+from stages.engine.dpo_losses import dpo_pair_losses
+from stages.engine.objectives import tie_aware_accuracy
+from stages.engine.reward_objective import reward_pair_losses
+from stages.lib.ref_logps_table import RefLogpsError, ref_logps_for, ref_logps_table
 from stages.engine.packing import load_token_pairs, plan_training
 
 REPO = Path(__file__).resolve().parents[1]

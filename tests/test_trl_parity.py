@@ -3,7 +3,7 @@
 TRL's trainers are instantiated on a tiny real causal LM (built from a config) with a real word-level tokenizer,
 and their real loss methods run on a real collated batch: DPOTrainer._compute_loss (every DPOTrainer
 loss_type, alone and as a weighted list), CPOTrainer.get_batch_loss_metrics (loss_type simpo) and
-ORPOTrainer.get_batch_loss_metrics. Ours, stages.engine.objectives.dpo_pair_losses, gets the summed completion
+ORPOTrainer.get_batch_loss_metrics. Ours, stages.engine.dpo_losses.dpo_pair_losses, gets the summed completion
 log-probs and token counts of the same model on the same sequences, and the same reference log-probs (DPOTrainer
 with precompute_ref_log_probs reads them from the batch). TRL averages over the batch; ours returns per-pair losses
 that the trainer sums and divides by the global pair count: for one process and one micro-batch that is the same
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from engine_helpers import make_tiny_model_dir
-from stages.engine.objectives import DPO_LOSSES, dpo_pair_losses
+from stages.engine.dpo_losses import DPO_LOSSES, dpo_pair_losses
 
 trl = pytest.importorskip("trl")
 pytestmark = pytest.mark.filterwarnings("ignore")

@@ -9,7 +9,8 @@
     settings.py  params.yaml's `train` section (the schema is its only definition)
     cli.py       what the engine's stage CLIs share
 
-What a step computes per objective (DPO, reward model) is stages/engine/objectives.py; packing and the
+What a step computes per objective is stages/engine/objectives.py (the interface), dpo_objective.py (its losses:
+the registry dpo_losses.py) and reward_objective.py; the plan's checks before a run guards.py; packing and the
 planned batches stages/engine/packing.py; the model adapters and fused kernels stages/engine/modeling.py and
 kernels.py; checkpoints stages/engine/checkpoint.py.
 """

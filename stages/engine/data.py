@@ -14,8 +14,10 @@ from torch import nn
 
 from stages.engine.dist import DistEnv, autocast, control_exchange
 from stages.engine.settings import TrainSettings
-from stages.engine.packing import (BatchDims, MicroBatch, PackedBatch, TokenPairs, build_packed_batch, pad_packed_batch,
+from stages.engine.packing import (BatchDims, MicroBatch, PackedBatch, TokenPairs, build_packed_batch,
                                 plan_inference)
+from stages.engine.padded_shapes import pad_packed_batch
+
 
 def prefetch_batches(pairs: TokenPairs, micro_batches: Iterable[MicroBatch], pin: bool, share_prompt: bool,
                      depth: int = 8, pad_to: Iterable[BatchDims] | None = None) -> Iterator[PackedBatch]:

@@ -40,6 +40,7 @@ from stages.engine.data import prefetch_batches, run_inference
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
                                 seed_everything, wrap_model)
 from stages.engine.export import export_model
+from stages.engine.guards import check_plan
 from stages.engine.objectives import Objective
 from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
 from stages.engine.optim import LRSchedule, MasterWeightAdamW, build_optimizer, check_optimizer_settings
@@ -336,6 +337,10 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     if settings.save_every and ckpt.directory is None:
         raise TrainConfigError(f"train.save_every = {settings.save_every} needs a checkpoint directory "
                                "(--checkpoint-dir, outside the stage's declared outputs)")
+    # The plan from the counts, before any weight is loaded: refused when no step would train, else its warnings.
+    for warning in check_plan(len(train_pairs), settings, env.world_size):
+        if env.is_main:
+            log.warning("%s", warning)
     if env.is_main:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     run = build_run(objective, settings, env, model_dir, train_pairs, probe_pairs, out_dir, ckpt)

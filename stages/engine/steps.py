@@ -15,7 +15,7 @@ CUDA graphs, why and how (StepGraphs):
 
   How (the trainer decides what runs; this module owns capture and replay):
     - every micro-batch is padded to one of a few shapes planned from the whole run
-      (packing.plan_padded_shapes / pad_packed_batch), so each shape has static input buffers that
+      (padded_shapes.plan_padded_shapes / pad_packed_batch), so each shape has static input buffers that
       the next batch is copied into (host->device, non-blocking) before a replay;
     - one graph per shape runs `fwd_bwd(static_batch)` (forward, loss, backward: gradients
       ACCUMULATE into the parameters' persistent .grad tensors, so several micro-batches per step
@@ -46,8 +46,8 @@ from stages.engine.lowbit_adamw import LowBitAdamW
 from stages.engine.optim import (FusedBackwardStep, MasterWeightAdamW, adamw_step_lr_tensor, fp32_grad_norm,
                                  total_grad_norm)
 from stages.engine.settings import TrainSettings
-from stages.engine.packing import (MicroBatch, PackedBatch, TokenPairs, batch_dims, plan_padded_shapes,
-                                shared_prompt_flags)
+from stages.engine.packing import MicroBatch, PackedBatch, TokenPairs
+from stages.engine.padded_shapes import batch_dims, plan_padded_shapes, shared_prompt_flags
 
 
 def forward_backward(model: nn.Module, objective, settings: TrainSettings, env: DistEnv, batch: PackedBatch,

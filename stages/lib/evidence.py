@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from stages.lib.io import MD5, SHA256, hash_bytes, hash_file
+from stages.lib.training_plan import plan_warnings
 
 BUNDLE_ROOT = "evidence"
 MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
@@ -284,8 +285,10 @@ def _f(x: float) -> str:
 
 
 def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict,
-                   generation: dict | None = None) -> str:
-    """generation: the packed judge outputs (stages/lib/evidence_generation.py generation_members), or None."""
+                   train_logs: dict[str, dict[str, list[float]]] | None = None, generation: dict | None = None) -> str:
+    """summary.md from the metrics, the bootstrap summary, params, (for the plan's warnings) each run's train
+    log columns by label (read_train_log) and the packed judge outputs (stages/lib/evidence_generation.py
+    generation_members) or None."""
     from stages.lib.evidence_generation import render_generation_section
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]
@@ -306,12 +309,27 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
             f"{_f(s0['mean_margin'])} -> {_f(fi['mean_margin'])} |")
     lines += ["", "Accuracy counts a tie as 0.5; for DPO it is the implicit reward accuracy. "
               "Training helped when the improvement's lower bound is above 0.", ""]
+    rewards = [f"{label}: {m['implicit_reward']}" for label, m in sorted(metrics.items()) if "implicit_reward" in m]
+    if rewards:     # absent: DPO's summed-log-prob reward (docs/DPO_LOSSES.md "probe reward")
+        lines += [f"Implicit reward scored, as dpo.loss declares it: {', '.join(rewards)} (beta * the per-token "
+                  "mean log-prob ratio).", ""]
+    warnings = [f"- {label}: {w}" for label, cols in sorted((train_logs or {}).items())
+                for w in plan_warnings(len(cols.get("step", [])), _all_in_warmup(cols, params),
+                                       params["train"]["warmup_ratio"])]
+    if warnings:
+        lines += ["## Warnings", "", *warnings, ""]
     lines += render_generation_section(generation, params)
     if curves:
         lines += ["## Training curves", ""]
         for name in curves:
             lines += [f"![{name}](curves/{name})", ""]
     return "\n".join(lines)
+
+
+def _all_in_warmup(cols: dict[str, list[float]], params: dict) -> bool:
+    """No logged step reached train.lr (every step inside the warmup; after it, the schedule starts at train.lr)."""
+    lrs = cols.get("lr") or []
+    return bool(lrs) and max(lrs) < params["train"]["lr"]
 
 
 def metrics_label(path: str) -> str:

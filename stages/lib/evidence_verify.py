@@ -451,8 +451,11 @@ def _check_derived(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     curves = b.manifest.get("curves") or {}
     try:
         metrics = {metrics_label(p): b.packed_json(p) for p in metric_files}
+        # (and the train logs: the plan's warnings are read from them)
+        logs = {spec["label"]: read_train_log(spec["train_log"], b.packed(spec["train_log"]).decode("utf-8"))
+                for spec in curves.values() if isinstance(spec, dict) and b.packed(spec.get("train_log")) is not None}
         want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
-                              sorted(curves), b.params, _bundle_generation(b)).encode("utf-8")
+                              sorted(curves), b.params, logs, _bundle_generation(b)).encode("utf-8")
         have = b.members.get(SUMMARY, b"")
         v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary and params" if have == want
               else f"not what report writes from the bundle's metrics, bootstrap summary and params: "

@@ -59,6 +59,16 @@ def pinned_models(params: dict) -> list[str]:
     return [role for role in ("policy", "judge") if isinstance(params["generation"][role], dict)]
 
 
+
+def pinned_model_inputs(params: dict, role: str) -> dict[str, str | list[str]]:
+    """verify_<role>'s inputs for a pinned model: its directory, and a local pin's lock (which changes with any
+    file); empty lists when `role` is trained here."""
+    if role not in pinned_models(params):
+        return {"model_dir": [], "lock": []}
+    pin = params["generation"][role]
+    return {"model_dir": pin["local_dir"],
+            "lock": [f"{pin['local_dir']}/prefpipe.lock.json"] if pin["source"] == "local" else []}
+
 def stages(params: dict) -> list[str]:
     """The pipeline's stages under these params, in the order above."""
     optional = {"ref_logps": uses_ref_logps(params),

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from stages.lib.contracts import correct_label, probe_digest
+from stages.lib.implicit_reward import IMPLICIT_REWARDS, MEAN_REWARD, SUMMED_REWARD, implicit_reward
 from stages.lib.io import sha256_bytes
 
 
@@ -142,13 +143,39 @@ def _num(row: dict, key: str, source: str, i: int) -> float:
     return float(v)
 
 
+def _count(row: dict, key: str, source: str, i: int) -> int:
+    v = row.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise PerPairFileError(f"{source} row {i}: {key} must be a token count >= 1, got {v!r}")
+    return v
+
+
 def _close(a: float, b: float) -> bool:
     # The trainer may compute rewards on device in fp32; a wrong beta or a stale reference is far off.
     return math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-6)
 
 
-def score_dpo_rows(rows: list[dict], beta: float, reference_free: bool, source: str) -> dict[str, np.ndarray]:
-    """Recompute rewards, margin and correct from the log-probs; refuse a file that disagrees."""
+def rows_reward(rows: list[dict], source: str) -> str:
+    """The implicit reward a DPO probe file scores: every row's `implicit_reward` (absent: SUMMED_REWARD), one
+    for the whole file."""
+    kind = rows[0].get("implicit_reward", SUMMED_REWARD) if rows else SUMMED_REWARD
+    for i, r in enumerate(rows):
+        k = r.get("implicit_reward", SUMMED_REWARD)
+        if k not in IMPLICIT_REWARDS:
+            raise PerPairFileError(f"{source} row {i}: implicit_reward {k!r} is not one of "
+                                   f"{' | '.join(IMPLICIT_REWARDS)}")
+        if k != kind:
+            raise PerPairFileError(f"{source} row {i}: implicit_reward {k} where row 0 has {kind} (a file scores one "
+                                   "reward)")
+    return kind
+
+
+def score_dpo_rows(rows: list[dict], beta: float, reference_free: bool, source: str,
+                   completion_tokens: dict[str, tuple[int, int]] | None = None) -> dict[str, Any]:
+    """Recompute rewards, margin and correct from the log-probs (and, for MEAN_REWARD, the token counts) under the
+    implicit reward the rows declare (train_dpo writes the one dpo.loss declares); refuse a file that disagrees.
+    completion_tokens: pair_id -> (chosen, rejected) completion token counts from the probe tokens, when known."""
+    kind = rows_reward(rows, source)
     correct, margin, logp_correct = [], [], []
     for i, r in enumerate(rows):
         pc, pr = _num(r, "policy_chosen_logp", source, i), _num(r, "policy_rejected_logp", source, i)
@@ -158,12 +185,21 @@ def score_dpo_rows(rows: list[dict], beta: float, reference_free: bool, source: 
             rc, rr = _num(r, "ref_chosen_logp", source, i), _num(r, "ref_rejected_logp", source, i)
         if reference_free and (rc != 0.0 or rr != 0.0):
             raise PerPairFileError(f"{source} row {i}: dpo_ref_free but reference log-probs are {rc}, {rr} (must be 0)")
+        n_c = n_r = None
+        if kind == MEAN_REWARD:
+            n_c, n_r = _count(r, "chosen_tokens", source, i), _count(r, "rejected_tokens", source, i)
+            want = (completion_tokens or {}).get(r["pair_id"])
+            if want is not None and (n_c, n_r) != tuple(want):
+                raise PerPairFileError(f"{source} row {i} (pair {r['pair_id']}): completion token counts {n_c}, {n_r} "
+                                       f"are not the probe tokens' {want[0]}, {want[1]}")
         cr, rj = _num(r, "chosen_reward", source, i), _num(r, "rejected_reward", source, i)
         m = _num(r, "margin", source, i)
-        if not _close(cr, beta * (pc - rc)) or not _close(rj, beta * (pr - rr)):
+        want_c, want_r = implicit_reward(kind, beta, pc, rc, n_c), implicit_reward(kind, beta, pr, rr, n_r)
+        if not _close(cr, want_c) or not _close(rj, want_r):
+            form = "beta*(policy-ref)" if kind == SUMMED_REWARD else "beta*(policy-ref)/completion tokens"
             raise PerPairFileError(
-                f"{source} row {i} (pair {r['pair_id']}): rewards {cr}, {rj} are not beta*(policy-ref) with "
-                f"beta={beta} ({beta * (pc - rc)}, {beta * (pr - rr)})")
+                f"{source} row {i} (pair {r['pair_id']}): rewards {cr}, {rj} are not {form} with "
+                f"beta={beta} ({want_c}, {want_r})")
         if not _close(m, cr - rj):
             raise PerPairFileError(f"{source} row {i} (pair {r['pair_id']}): margin {m} != chosen_reward - rejected_reward {cr - rj}")
         c = correct_label(cr, rj)
@@ -175,7 +211,7 @@ def score_dpo_rows(rows: list[dict], beta: float, reference_free: bool, source: 
         margin.append(cr - rj)
         logp_correct.append(correct_label(pc, pr))
     return {"correct": np.asarray(correct, np.float64), "margin": np.asarray(margin, np.float64),
-            "logp_correct": np.asarray(logp_correct, np.float64)}
+            "logp_correct": np.asarray(logp_correct, np.float64), "implicit_reward": kind}
 
 
 def score_rm_rows(rows: list[dict], source: str) -> dict[str, np.ndarray]:
@@ -270,15 +306,25 @@ def paired_bootstrap(step0: dict[str, np.ndarray], final: dict[str, np.ndarray],
 
 def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], probe_manifest: dict,
                    token_manifest: dict, params: dict, step0_source: str, final_source: str,
-                   swapped_hashes: dict | None = None) -> tuple[dict, dict]:
+                   swapped_hashes: dict | None = None,
+                   completion_tokens: dict[str, tuple[int, int]] | None = None) -> tuple[dict, dict]:
+    """One model's metrics and bootstrap summary. DPO: completion_tokens as score_dpo_rows; step 0 and final must
+    score the same implicit reward, which the metrics record when it is not SUMMED_REWARD."""
     size = params["probe"]["size"]
     for rows, src in ((step0_rows, step0_source), (final_rows, final_source)):
         check_probe_rows(rows, probe_manifest, token_manifest, size, src, swapped_hashes)
+    reward = None
     if kind == "dpo":
         beta = float(params["dpo"]["beta"])
         ref_free = params["dpo"]["objective"] == "dpo_ref_free"
-        s0 = score_dpo_rows(step0_rows, beta, ref_free, step0_source)
-        fi = score_dpo_rows(final_rows, beta, ref_free, final_source)
+        s0 = score_dpo_rows(step0_rows, beta, ref_free, step0_source, completion_tokens)
+        fi = score_dpo_rows(final_rows, beta, ref_free, final_source, completion_tokens)
+        if s0["implicit_reward"] != fi["implicit_reward"]:
+            raise PerPairFileError(f"{final_source}: scores the {fi['implicit_reward']} implicit reward, "
+                                   f"{step0_source} the {s0['implicit_reward']}: step 0 and final must compare one")
+        # Recorded only where it is not DPO's summed reward, so the metrics of the runs before the field existed
+        # (and of every summed-reward loss) keep their bytes.
+        reward = s0["implicit_reward"] if s0["implicit_reward"] != SUMMED_REWARD else None
     else:
         s0 = score_rm_rows(step0_rows, step0_source)
         fi = score_rm_rows(final_rows, final_source)
@@ -287,6 +333,7 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
     p0, pf = point_metrics(s0), point_metrics(fi)
     acc = boot["accuracy"]
     metrics = {
+        **({"implicit_reward": reward} if reward else {}),
         "n_pairs": len(final_rows),
         "confidence": ev["confidence"],
         "step0": p0,
@@ -296,7 +343,8 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
                         "accuracy_ci_high": acc["improvement"]["ci_high"],
                         "mean_margin": boot["mean_margin"]["improvement"]["point"]},
     }
-    summary = {"kind": kind, "step0": p0, "final": pf, "bootstrap": boot,
+    summary = {"kind": kind, **({"implicit_reward": reward} if reward else {}), "step0": p0, "final": pf,
+               "bootstrap": boot,
                "training_helped": acc["improvement"]["ci_low"] > 0}
     return metrics, summary
 

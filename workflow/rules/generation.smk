@@ -3,7 +3,7 @@
 # as `ref` is and proved by verify_policy / verify_judge (stages.verify_ref verify --pin generation.<role>); with
 # both pinned, `snakemake --cores 2 judge` evaluates them without training anything (no train_* job in its DAG).
 
-from stages.lib.layout import pinned_models
+from stages.lib.layout import pinned_model_inputs, pinned_models
 
 GEN = config["generation"]
 PINNED = pinned_models(config)
@@ -15,19 +15,10 @@ ENGINE_PARAMS = {f"train__{k}": TRAIN[k] for k in ("gpus", "cpu_threads", "porta
                                                   "share_prompt", "cuda_graphs", "temperature")}
 
 
-def pin_inputs(role: str) -> dict:
-    """A pinned model's directory (and a local pin's lock, which changes with any file) as inputs."""
-    pin = GEN[role]
-    if role not in PINNED:
-        return {"model_dir": [], "lock": []}
-    return {"model_dir": pin["local_dir"],
-            "lock": [f"{pin['local_dir']}/prefpipe.lock.json"] if pin["source"] == "local" else []}
-
-
 rule verify_policy:
     input:
         environment=ENV_RECORD,
-        **pin_inputs("policy"),
+        **pinned_model_inputs(config, "policy"),
         code=code_deps("stages.verify_ref"),
     output:
         identity=OUT["verify_policy"]["identity"],
@@ -47,7 +38,7 @@ rule verify_policy:
 rule verify_judge:
     input:
         environment=ENV_RECORD,
-        **pin_inputs("judge"),
+        **pinned_model_inputs(config, "judge"),
         code=code_deps("stages.verify_ref"),
     output:
         identity=OUT["verify_judge"]["identity"],
