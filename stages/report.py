@@ -6,6 +6,7 @@
         --per-pair results/train_dpo/probe_step0.jsonl results/train_dpo/probe_final.jsonl \
                    results/train_rm/probe_step0.jsonl results/train_rm/probe_final.jsonl \
         --bootstrap-summary results/evaluate/bootstrap_summary.json \
+        --generation-eval results/judge/judgments.jsonl metrics/generation.json results/judge/judge_summary.json \
         --train-log dpo=results/train_dpo/train_log.csv rm=results/train_rm/train_log.csv \
         --run-info dpo=results/train_dpo/run_info.json rm=results/train_rm/run_info.json \
         --environment results/env/environment.json \
@@ -155,8 +156,10 @@ def scan_member(name: str, data: bytes, needles: dict[str, bytes]) -> None:
 def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per_pair: list[str],
                  bootstrap_summary: str | None, train_logs: dict[str, str], run_infos: dict[str, str], *,
                  normalize_stats: str, cwd: str | os.PathLike | None = None, environment: str | None = None,
-                 probe_manifests: list[str] | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
-    """-> (bundle members by name, summary markdown, curve PNGs by file name)."""
+                 probe_manifests: list[str] | None = None,
+                 generation_eval: list[str] | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
+    """-> (bundle members by name, summary markdown, curve PNGs by file name). generation_eval: the judge stage's
+    outputs (judgments, metrics, summary), packed."""
     params = load_params(params_path if cwd is None else Path(cwd) / params_path)
     packed: dict[str, str] = {}  # relpath -> role
     for role, paths in (("metrics", metrics), ("per_pair", per_pair),
@@ -164,7 +167,8 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
                         ("train_log", list(train_logs.values())),
                         ("environment", [environment] if environment else []),
                         # The probe's two manifests let `verify` rerun evaluate's checks on the per-pair rows.
-                        ("probe_manifest", list(probe_manifests or []))):
+                        ("probe_manifest", list(probe_manifests or [])),
+                        ("generation_eval", list(generation_eval or []))):
         for p in paths:
             rel = relative_artifact_path(p)
             if Path(rel).suffix not in PACKABLE_SUFFIXES:
@@ -214,7 +218,7 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
     boot = json.loads(_read(bootstrap_summary, cwd)) if bootstrap_summary else None
     summary = render_summary(metrics_by_label, boot, sorted(curves), params,
                              {label: read_train_log(_path(p, cwd)) for label, p in train_logs.items()},
-                             bundle_records(members, BUNDLE_ROOT))
+                             bundle_records(members, BUNDLE_ROOT), _generation(packed, cwd))
     members[f"{BUNDLE_ROOT}/summary.md"] = summary.encode("utf-8")
 
     manifest = {
@@ -282,6 +286,14 @@ def _probe_sources(artifacts: list[str], probe_manifests: list[str], cwd) -> dic
         return probe_sources_record(json.loads(_read(manifest, cwd)), table["pair_id"], table["source"])
     except ValueError as e:
         raise ReportError(f"{probe}: {e}") from None
+
+
+def _generation(packed: dict[str, str], cwd) -> dict | None:
+    """The packed judge outputs as the summary's generation section reads them (evidence_generation.py)."""
+    from stages.lib.evidence_generation import generation_members
+    mine = {rel for rel, role in packed.items() if role == "generation_eval"}
+    return generation_members(lambda rel: json.loads(_read(rel, cwd)) if rel in mine else None,
+                              lambda rel: _read(rel, cwd).decode("utf-8") if rel in mine else None)
 
 
 def _path(p: str, cwd) -> Path:
@@ -352,6 +364,8 @@ def _arguments(ap) -> None:
     ap.add_argument("--metrics", nargs="*", default=[], help="metrics JSON (label = file stem), packed")
     ap.add_argument("--per-pair", nargs="*", default=[], help="per-pair probe JSONL, packed")
     ap.add_argument("--bootstrap-summary", help="evaluate's bootstrap_summary.json, packed")
+    ap.add_argument("--generation-eval", nargs="*", default=[],
+                    help="the judge stage's judgments.jsonl, metrics/generation.json and judge_summary.json, packed")
     ap.add_argument("--train-log", nargs="*", default=[], metavar="LABEL=CSV", help="train logs, packed and plotted")
     ap.add_argument("--run-info", nargs="*", default=[], metavar="LABEL=JSON",
                     help="trainer run_info.json: hashed; whitelisted layout, objective and settings copied")
@@ -371,7 +385,8 @@ def _run(args) -> int:
     members, summary, curves = build_bundle(
         args.params, args.artifacts, args.metrics, args.per_pair, args.bootstrap_summary,
         parse_labeled(args.train_log, "--train-log"), parse_labeled(args.run_info, "--run-info"),
-        environment=args.environment, probe_manifests=args.probe_manifests, normalize_stats=args.normalize_stats)
+        environment=args.environment, probe_manifests=args.probe_manifests, normalize_stats=args.normalize_stats,
+        generation_eval=args.generation_eval)
     with atomic_path(args.bundle) as tmp:
         tmp.write_bytes(deterministic_targz(members))
     write_text(args.summary, summary)

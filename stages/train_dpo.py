@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 
+from stages.data.limits import TokenizeError
+from stages.data.pair_tokenizer import export_template_files
 from stages.engine.dpo_losses import DPOLossError, check_dpo_params, loss_hints
 from stages.engine.dpo_objective import DPOObjective
 from stages.lib.ref_logps_table import RefLogpsError, read_ref_logps, ref_logps_for
@@ -66,14 +68,14 @@ def _run(args) -> dict:
         startup.mark("tokens")                         # (and the reference log-probs)
         return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
-                     environment=environment, perf_path=args.perf)
+                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
     finally:
         shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> dict:
     return engine_stage_main(argv, "train_dpo", __doc__.split("\n")[0], _arguments, _run,
-                             input_errors=(RefLogpsError, DPOLossError, ModelLoadError, ExportError))
+                             input_errors=(RefLogpsError, DPOLossError, ModelLoadError, ExportError, TokenizeError))
 
 
 if __name__ == "__main__":

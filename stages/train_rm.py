@@ -14,6 +14,8 @@ sequence's last token whose id != pad_token_id: the token HF's sequence-classifi
 """
 from __future__ import annotations
 
+from stages.data.limits import TokenizeError
+from stages.data.pair_tokenizer import export_template_files
 from stages.engine.reward_objective import RewardObjective
 from stages.lib.cli import exit_after_success
 from stages.lib.params import load_params
@@ -49,14 +51,14 @@ def _run(args) -> dict:
         objective = RewardObjective(params["rm"], train_pairs.margins, source=str(args.train_tokens))
         return train(objective, settings, env, model_dir=model_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
-                     environment=environment, perf_path=args.perf)
+                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
     finally:
         shutdown_distributed()
 
 
 def main(argv: list[str] | None = None) -> dict:
     return engine_stage_main(argv, "train_rm", __doc__.split("\n")[0], _arguments, _run,
-                             input_errors=(ModelLoadError, ExportError))
+                             input_errors=(ModelLoadError, ExportError, TokenizeError))
 
 
 if __name__ == "__main__":

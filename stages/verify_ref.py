@@ -1,9 +1,13 @@
 """verify_ref: prove, offline, that the reference model directory is exactly the pinned snapshot.
 
     python -m stages.verify_ref verify --params params.yaml --identity results/ref/ref_identity.json --log L
+    python -m stages.verify_ref verify --pin generation.judge --identity results/verify_judge/judge_identity.json
     python -m stages.verify_ref pin DIR [--repo-id NAME] [--write-params [PARAMS]]
         # writes DIR/prefpipe.lock.json, prints its sha256; --write-params also sets the four ref.* keys of
         # params.yaml (source local, repo_id, revision = that sha256, local_dir), editing only those lines
+
+`--pin KEY` verifies another model pinned the same way (`generation.policy`, `generation.judge`: a policy or judge
+that was not trained here), with the same rules; messages then name that key instead of `ref`.
 
 Two kinds of snapshot (`ref.source` in params.yaml):
 
@@ -86,15 +90,15 @@ class Expected:
     claimed_by: str
 
 
-def check_hf_revision(revision: object) -> str:
+def check_hf_revision(revision: object, key: str = "ref") -> str:
     if revision is None:
-        raise RefIdentityError("ref.revision is required for ref.source hf: the full 40-hex commit SHA "
+        raise RefIdentityError(f"{key}.revision is required for {key}.source hf: the full 40-hex commit SHA "
                                "the snapshot was downloaded at (hf download REPO --revision SHA)")
     if not isinstance(revision, str) or not COMMIT_RE.fullmatch(revision):
         n = len(revision) if isinstance(revision, str) else 0
         why = ("has non-hex or uppercase characters" if isinstance(revision, str) and n == 40
                else f"has {n} characters")
-        raise RefIdentityError(f"ref.revision {revision!r} is not a full 40-hex lowercase commit SHA ({why}); "
+        raise RefIdentityError(f"{key}.revision {revision!r} is not a full 40-hex lowercase commit SHA ({why}); "
                                "a branch, tag or short SHA can move or be ambiguous")
     return revision
 
@@ -155,7 +159,8 @@ def pin(root: str | os.PathLike, repo_id: str | None = None, workers: int | None
     return sha256_bytes((root / LOCK_NAME).read_bytes())
 
 
-def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict[str, Expected], dict, list[str]]:
+def local_expectations(root: Path, revision: object, repo_id: str,
+                       key: str = "ref") -> tuple[dict[str, Expected], dict, list[str]]:
     """Read and check the lock; returns (expected by relpath, lock record for the identity, problems)."""
     lock_path = root / LOCK_NAME
     if not lock_path.is_file():
@@ -166,10 +171,10 @@ def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict
     lock_sha = sha256_bytes(raw)
     if revision is not None:
         if not isinstance(revision, str) or not SHA256_RE.fullmatch(revision):
-            raise RefIdentityError(f"ref.revision {revision!r}: for ref.source local it must be the lock's "
+            raise RefIdentityError(f"{key}.revision {revision!r}: for {key}.source local it must be the lock's "
                                    f"64-hex SHA-256 (printed by pin; sha256sum {lock_path})")
         if revision != lock_sha:
-            raise RefIdentityError(f"{lock_path}: lock has SHA-256 {lock_sha} but ref.revision pins {revision}: "
+            raise RefIdentityError(f"{lock_path}: lock has SHA-256 {lock_sha} but {key}.revision pins {revision}: "
                                    "the lock was edited or re-pinned since params.yaml was committed")
     try:
         lock = json.loads(raw.decode("utf-8"))
@@ -182,9 +187,12 @@ def local_expectations(root: Path, revision: object, repo_id: str) -> tuple[dict
         raise RefIdentityError(f"{lock_path}: files_digest does not match the lock's file list: the lock was "
                                "edited by hand; re-pin it (python -m stages.verify_ref pin)")
     if lock["repo_id"] != repo_id:
-        raise RefIdentityError(f"{lock_path}: pinned as repo_id {lock['repo_id']!r} but ref.repo_id is "
-                               f"{repo_id!r}: wrong directory, or set ref.repo_id to match (`python -m "
-                               f"stages.verify_ref pin {root} --write-params` pins it and sets all four ref keys)")
+        raise RefIdentityError(f"{lock_path}: pinned as repo_id {lock['repo_id']!r} but {key}.repo_id is "
+                               f"{repo_id!r}: wrong directory, or set {key}.repo_id to match (`python -m "
+                               f"stages.verify_ref pin {root} --write-params` pins it and sets all four ref keys)"
+                               if key == "ref" else
+                               f"{lock_path}: pinned as repo_id {lock['repo_id']!r} but {key}.repo_id is "
+                               f"{repo_id!r}: wrong directory, or set {key}.repo_id to match")
     expected: dict[str, Expected] = {}
     problems: list[str] = []
     for e in files:
@@ -324,14 +332,15 @@ def _index_problems(root: Path, rel: str, data: bytes, expected: dict[str, Expec
 
 # ========================================================================================== verify
 
-def verify_reference(ref: dict, workers: int | None = None) -> dict:
-    """Check the snapshot described by params `ref`; return the identity record (raises RefIdentityError)."""
+def verify_reference(ref: dict, workers: int | None = None, key: str = "ref") -> dict:
+    """Check the snapshot described by params `ref` (the pin at params key `key`: `ref`, or a model pinned the same
+    way, e.g. generation.judge); return the identity record (raises RefIdentityError)."""
     source, repo_id, revision, local_dir = ref["source"], ref["repo_id"], ref.get("revision"), ref["local_dir"]
     root = Path(local_dir)
     if source == "hf":
-        revision = check_hf_revision(revision)  # before touching the disk: a moving ref proves nothing
+        revision = check_hf_revision(revision, key)  # before touching the disk: a moving ref proves nothing
     if not root.is_dir():
-        raise RefIdentityError(f"ref.local_dir {root}: not a directory")
+        raise RefIdentityError(f"{key}.local_dir {root}: not a directory")
     on_disk = set(list_files(root))
     lock_record = None
     rejected: set[str] = set()
@@ -340,14 +349,15 @@ def verify_reference(ref: dict, workers: int | None = None) -> dict:
         missing_claim = lambda rel: f"missing metadata {HF_DOWNLOAD_DIR}/{rel}.metadata"  # noqa: E731
         effective_revision, pinned = revision, True
     elif source == "local":
-        expected, lock_record, problems = local_expectations(root, revision, repo_id)
+        expected, lock_record, problems = local_expectations(root, revision, repo_id, key)
         missing_claim = lambda rel: f"not in lock {root / LOCK_NAME}"  # noqa: E731
         effective_revision, pinned = lock_record["sha256"], revision is not None
         if not pinned:
-            log.warning("ref.revision is null: %s is checked for internal consistency only; set ref.revision: %s "
-                        "to pin it (a consistent re-pin is otherwise undetectable)", root / LOCK_NAME, lock_record["sha256"])
+            log.warning("%s.revision is null: %s is checked for internal consistency only; set %s.revision: %s "
+                        "to pin it (a consistent re-pin is otherwise undetectable)", key, root / LOCK_NAME, key,
+                        lock_record["sha256"])
     else:
-        raise RefIdentityError(f"ref.source {source!r}: expected hf or local")
+        raise RefIdentityError(f"{key}.source {source!r}: expected hf or local")
 
     # ---- cheap checks first (names, metadata, index content): fail before hashing gigabytes
     index_bytes, index_problems = read_weight_indexes(root, expected)
@@ -405,6 +415,9 @@ def verify_reference(ref: dict, workers: int | None = None) -> dict:
 
 def _verify_arguments(ap) -> None:
     ap.add_argument("--identity", default="results/ref/ref_identity.json")
+    ap.add_argument("--pin", default="ref", metavar="KEY",
+                    help="the params key of the pin to verify (default ref; also generation.policy, generation.judge: "
+                         "a model pinned the same way)")
     ap.add_argument("--workers", type=int, default=None, help="hashing threads (default: min(16, cpus))")
 
 
@@ -414,7 +427,13 @@ def _verify(args) -> int:
     # A failed verification must not leave a previous run's identity looking current.
     Path(args.identity).unlink(missing_ok=True)
     params = load_params(args.params)
-    identity = verify_reference(params["ref"], args.workers)
+    pin = params
+    for part in args.pin.split("."):
+        pin = pin.get(part) if isinstance(pin, dict) else None
+    if not isinstance(pin, dict):
+        raise RefIdentityError(f"{args.pin}: params.yaml pins no model there ({pin!r}); a pin is "
+                               "{source, repo_id, revision, local_dir}")
+    identity = verify_reference(pin, args.workers, args.pin)
     write_json(args.identity, identity)
     log.info("verified %s %s @ %s: %d files, %d extras; identity_digest %s -> %s", identity["source"],
              identity["repo_id"], identity["revision"], len(identity["files"]), len(identity["extras"]),

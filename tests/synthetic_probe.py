@@ -2,8 +2,10 @@
 probe_manifest.json, probe_token_manifest.json (+ probe_tokens.parquet), the probe pairs' ids and sources
 (probe.parquet), per-pair probe JSONL at step 0 and final for DPO and RM, train_log.csv, run_info.json and a
 stand-in model directory, the run records the bundle packs (tokenize_report.json, ref_identity.json,
-normalize_stats.json naming the data source files); every other artifact of the pipeline (stages/lib/layout.py)
-as a stand-in file. A mixture's probe pairs are dealt to its sources in turn.
+normalize_stats.json naming the data source files); the judge stage's outputs (judgments.jsonl,
+metrics/generation.json, judge_summary.json) from seeded judgment rows through the judge's own
+evaluate_generation; every other artifact of the pipeline (stages/lib/layout.py) as a stand-in file. A mixture's
+probe pairs are dealt to its sources in turn.
 
 Not a trainer: scores are drawn from a seeded generator so that the final checkpoint prefers chosen
 more often than step 0 (by `quality`). Also a script, so a DVC stage in a temp repo can run it:
@@ -145,8 +147,9 @@ def write_all(root: Path, params: dict, quality: float = 0.8, normalize: bool = 
     if normalize:
         write_sources(root, params)
         write_normalize(root, params)
+    write_judge(root, params, token_manifest, seed)
     for rel, stage in bundle_artifacts(params).items():
-        if stage in ("freeze_probe", "verify_ref", "tokenize", "ref_logps") and not (root / rel).exists():
+        if stage in ("freeze_probe", "verify_ref", "tokenize", "ref_logps", "generate") and not (root / rel).exists():
             (root / rel).parent.mkdir(parents=True, exist_ok=True)
             (root / rel).write_text(f"stand-in for {rel} (seed {seed})\n")
 
@@ -180,6 +183,35 @@ def write_ref_identity(root: Path, params: dict) -> None:
                 "extras": []}
     identity["identity_digest"] = identity_digest(identity)
     write_json(root / "results/ref/ref_identity.json", identity)
+
+
+def judgment_rows(pair_ids: list[str], seed: int) -> list[dict]:
+    """One judged (prompt, sample) per probe pair, as the judge stage writes them; the policy wins more often."""
+    from stages.lib.contracts import correct_label
+    rng = np.random.default_rng(seed + 28)
+    rows = []
+    for i, pair_id in enumerate(pair_ids):
+        pl, rl = int(rng.integers(0, 16)), int(rng.integers(0, 16))
+        rp, rr = float(rng.normal(0.3, 1)), float(rng.normal(0, 1))
+        rows.append({"pair_id": pair_id, "index": i, "sample": 0,
+                     "prompt": [{"role": "user", "content": f"question {i} <b>|</b>"}],
+                     "policy_completion": f"answer {i}\nwith | a pipe", "policy_length": pl,
+                     "policy_stop_reason": "eos", "policy_reward": rp,
+                     "reference_completion": "" if i == 1 else f"ref {i}", "reference_length": rl,
+                     "reference_stop_reason": "max_new_tokens", "reference_reward": rr, "win": correct_label(rp, rr),
+                     "policy_log_ratio": float(rng.normal(1, 0.5)), "policy_generated_tokens": pl + 1})
+    return rows
+
+
+def write_judge(root: Path, params: dict, token_manifest: dict, seed: int) -> None:
+    from stages.lib.layout import STAGE_OUTPUTS
+    from stages.lib.scoring import evaluate_generation
+    out = STAGE_OUTPUTS["judge"]
+    rows = judgment_rows(token_manifest["pair_ids"], seed)
+    metrics, summary = evaluate_generation(rows, params, out["judgments"])
+    write_jsonl(root / out["judgments"], rows)
+    write_json(root / out["metrics_generation"], metrics)
+    write_json(root / out["summary"], {**summary, "judge": {"kind": "trained", "model": "results/train_rm/model"}})
 
 
 def write_sources(root: Path, params: dict) -> None:

@@ -227,6 +227,27 @@ def test_pipeline_bench_summary_splits_a_training_rule_into_start_up_loop_after_
     assert "after the loop train_dpo: probe_final 0.40, export 1.60; outside the process (torchrun, exit): 3.00" in text
 
 
+def test_generation_bench_runs_the_stage_loop_and_hf_on_a_tiny_shape_on_cpu(tmp_path):
+    """bench/generation_bench.py on CPU, tiny shape: both engines, both sides, every completion max_new_tokens
+    long (no EOS is reachable), throughput rows written; the LoRA merge really changed the policy's weights."""
+    import torch
+    import generation_bench
+    out = tmp_path / "generation.json"
+    rows = generation_bench.main(["--shapes", "tiny", "--prompts", "5", "--prompt-lengths", "3:9",
+                                  "--max-new-tokens", "4", "--batch-sizes", "2", "--engines", "ours,hf",
+                                  "--device", "cpu", "--out", str(out)])
+    assert [(r["engine"], r["side"]) for r in rows] == [("ours", "policy"), ("ours", "reference"),
+                                                       ("hf", "policy"), ("hf", "reference")]
+    for r in rows:
+        assert r["completions"] == 5 and r["generated_tokens"] == 5 * 4
+        assert r["completions_per_s"] > 0 and r["tokens_per_s"] > 0
+    assert json.loads(out.read_text())["rows"] == rows
+    models = generation_bench.build_models("tiny", torch.device("cpu"), torch.float32)
+    ref_w = dict(models["reference"].named_parameters())
+    changed = [n for n, p in models["policy"].named_parameters() if not torch.equal(p, ref_w[n])]
+    assert changed and all(any(t in n for t in generation_bench.LORA["target_modules"]) for n in changed)
+
+
 def test_memory_fit_table_is_the_plan_with_the_fewest_checkpointed_layers_that_fit():
     """bench/memory_fit.py's cells are the engine's own plan: a 'yes' plan fits its device and one fewer
     checkpointed layer would not; a 'no' means even every layer checkpointed does not fit."""

@@ -34,19 +34,23 @@ EVALUATE_CMD = (
     " --metrics-dpo metrics/dpo.json --metrics-rm metrics/rm.json"
     " --bootstrap results/evaluate/bootstrap_summary.json --log logs/evaluate.log")
 PER_PAIR = [f"results/train_{m}/probe_{c}.jsonl" for m in ("dpo", "rm") for c in ("step0", "final")]
+# The judge stage's outputs, packed (verify reruns the win-rate bootstrap from the judgments).
+GENERATION_EVAL = ["results/judge/judgments.jsonl", "metrics/generation.json", "results/judge/judge_summary.json"]
 SYNTH_OUTS = (["results/probe/probe_manifest.json", "results/tokens/probe_token_manifest.json",
                "results/tokens/probe_tokens.parquet", "results/env/environment.json"] + PER_PAIR
-              + [f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json", "model")])
+              + [f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json", "model")]
+              + GENERATION_EVAL)
 # What the report rule hashes without packing: every output of the data, reference and token stages and the
 # models, from the pipeline's layout (the list `verify` requires in a manifest); the synthetic inputs stand them in.
 ARTIFACTS = bundle_artifacts(yaml.safe_load((REPO / "params.yaml").read_text()))
 HASHED_ONLY = [p for p, stage in ARTIFACTS.items() if stage in ("normalize", "freeze_probe", "verify_ref", "tokenize",
-                                                                "ref_logps")] + ["results/train_dpo/model",
+                                                                "ref_logps", "generate")] + ["results/train_dpo/model",
                                                                                  "results/train_rm/model"]
 STAND_INS = [p for p in HASHED_ONLY if p not in SYNTH_OUTS]
 REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
                 "--metrics", "metrics/dpo.json", "metrics/rm.json", "--per-pair", *PER_PAIR,
                 "--bootstrap-summary", "results/evaluate/bootstrap_summary.json",
+                "--generation-eval", *GENERATION_EVAL,
                 "--train-log", "dpo=results/train_dpo/train_log.csv", "rm=results/train_rm/train_log.csv",
                 "--run-info", "dpo=results/train_dpo/run_info.json", "rm=results/train_rm/run_info.json",
                 "--environment", "results/env/environment.json",
@@ -85,7 +89,7 @@ def dvc_yaml(params: dict) -> dict:
             "report": {"cmd": REPORT_CMD,
                        "deps": [*HASHED_ONLY, *[s["path"] for s in params["data"]["sources"]],
                                 "metrics/dpo.json", "metrics/rm.json", *PER_PAIR,
-                                "results/evaluate/bootstrap_summary.json", "results/env/environment.json",
+                                "results/evaluate/bootstrap_summary.json", *GENERATION_EVAL, "results/env/environment.json",
                                 *[f"results/train_{m}/{f}" for m in ("dpo", "rm") for f in ("train_log.csv", "run_info.json")]],
                        "outs": ["results/report/evidence.tar.gz", "results/report/summary.md", "results/report/curves"]},
         },
@@ -459,7 +463,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
         for line in ("MATCH    evidence/summary.md: remade from the packed metrics",
                      "MATCH    evidence/curves/dpo_train_curves.png: redrawn from results/train_dpo/train_log.csv",
                      "MATCH    evidence/params.yaml (dpo run): the train settings",
-                     "MATCH    evidence/manifest.json artifacts: every artifact of the 9 stages before report",
+                     "MATCH    evidence/manifest.json artifacts: every artifact of the 11 stages before report",
                      "MATCH    evidence/manifest.json evaluation", "MATCH    evidence/manifest.json curves",
                      "MATCH    results/evaluate/bootstrap_summary.json (header)"):
             assert line in out, (line, out)
@@ -538,7 +542,7 @@ def test_verify_requires_the_artifacts_the_objective_implies(tmp_path):
     params["dpo"]["objective"] = "dpo_ref_free"
     repo, bundle = _genuine(tmp_path, params)
     rc, out = _verify(repo, bundle)
-    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 8 stages before report" in out, out
+    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 10 stages before report" in out, out
     rel = "results/ref_logps/ref_logps.parquet"
     (repo / rel).parent.mkdir(parents=True)
     (repo / rel).write_bytes(b"PAR1")
@@ -657,6 +661,29 @@ def test_verify_holds_params_and_sources_to_the_workspace_dvc_lock(tmp_path):
     outside.write_text(outside.read_text() + json.dumps({"prompt": "q", "chosen": "a", "rejected": "b"}) + "\n")
     rc, out = _verify(repo, bundle)
     assert rc == 1 and "DIFFERS  source external:hh-test.jsonl: workspace md5" in out and "the data changed" in out
+
+
+def test_verify_reruns_the_win_rate_bootstrap_from_the_packed_judgments(tmp_path):
+    """summary.md carries the generation section; a judgment row's reward changed (manifest re-hashed, win kept
+    consistent) is caught by the recomputed metrics, and a forged lower bound by the recomputed bootstrap."""
+    repo, bundle = _genuine(tmp_path)
+    summary = _members(bundle.read_bytes())["evidence/summary.md"].decode()
+    assert "## Generation: policy against reference" in summary and "| win rate [CI] |" in summary
+    assert "with &#124; a pipe" in summary and "<i>(empty)</i>" in summary       # escaped; the empty completion
+    judgments = "evidence/artifacts/results/judge/judgments.jsonl"
+
+    def lose_row_0(m):
+        rows = [json.loads(line) for line in m[judgments].decode().splitlines()]
+        rows[0]["policy_reward"] = rows[0]["reference_reward"] - 5.0
+        rows[0]["win"] = 0.0
+        m[judgments] = "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows).encode()
+
+    rc, out = _verify(repo, _rewrite(bundle, tmp_path / "j.tar.gz", lose_row_0, True), workspace=False)
+    assert rc == 1 and "DIFFERS  metrics/generation.json" in out, out
+    rc, out = _verify(repo, _rewrite(bundle, tmp_path / "m.tar.gz", lambda m: _edit_json(
+        m, "evidence/artifacts/metrics/generation.json", lambda d: d.update(win_rate_ci_low=0.9)), True),
+        workspace=False)
+    assert rc == 1 and "DIFFERS  metrics/generation.json" in out and "win_rate_ci_low" in out, out
 
 
 # --------------------------------------------------------------------------------------------------

@@ -65,12 +65,17 @@ def tiny_reference(model_dir: Path, tok) -> Path:
     return model_dir
 
 
-def hh_token_rows(tok, hh_rlhf_path: Path, n: int) -> list[dict]:
-    """n real HH pairs (short ones: the test stays fast) through the tokenize stage's own code."""
+def short_hh_pairs(hh_rlhf_path: Path, n: int) -> list[dict]:
+    """n real HH pairs, short ones (the test stays fast)."""
     pairs = [p for p in load_hh_pairs(hh_rlhf_path, limit=200)
              if sum(len(m["content"]) for m in p["prompt"] + p["chosen"] + p["rejected"]) < 500]
     assert len(pairs) >= n, "not enough short HH-RLHF pairs"
-    result = tokenize_pairs(PairTokenizer(tok), pairs[:n], UNLIMITED, "train")
+    return pairs[:n]
+
+
+def hh_token_rows(tok, hh_rlhf_path: Path, n: int) -> list[dict]:
+    """n real HH pairs through the tokenize stage's own code."""
+    result = tokenize_pairs(PairTokenizer(tok), short_hh_pairs(hh_rlhf_path, n), UNLIMITED, "train")
     assert result.rejections == [] and len(result.rows) == n
     return result.rows
 
@@ -80,8 +85,10 @@ def test_export_batch_scored_by_hf_reproduces_the_probe(case, tmp_path, gpt2_tok
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
     from stages import train_rm
     ref = gpt2_variant(gpt2_tokenizer_dir, tmp_path / "model", case)
+    tiny_reference(ref, load_tokenizer(ref))
+    # Loaded as tokenize loads the reference, its config.json beside it (transformers picks the tokenizer class by
+    # the model type: Qwen2's pre-tokenizer here, which splits "OK!" otherwise than GPT-2's own class does).
     tok = load_tokenizer(ref)
-    tiny_reference(ref, tok)
     rows = hh_token_rows(tok, hh_rlhf_path, 20)
     write_token_parquet(tmp_path / "train.parquet", rows[:12])
     write_token_parquet(tmp_path / "probe.parquet", rows[12:])
@@ -105,13 +112,22 @@ def test_export_batch_scored_by_hf_reproduces_the_probe(case, tmp_path, gpt2_tok
     else:                                       # "<|im_end|>" "\n": the newline is read, no EOS anywhere
         assert tok.convert_ids_to_tokens(sorted(last)) == ["Ċ"] and not any(eos in s for s in seqs)
 
-    # The export, as a user loads it: its tokenizer pads with the pad id its config pools by.
+    # The export, as a user loads it: its tokenizer pads with the pad id its config pools by, and its chat template
+    # renders each probe conversation into exactly the token ids tokenize made (issue 28 item 5; plain GPT-2 had no
+    # template at all, so a consumer such as RewardBench fell back to one of its own).
     export = tmp_path / "rm/model"
     hf_tok = AutoTokenizer.from_pretrained(str(export))
     model = AutoModelForSequenceClassification.from_pretrained(export, dtype=torch.float32).eval()
     assert hf_tok.pad_token_id == model.config.pad_token_id == pad
     assert hf_tok.padding_side == "right"
-    batch = hf_tok.pad({"input_ids": seqs}, padding=True, return_tensors="pt")
+    probe_pairs = short_hh_pairs(hh_rlhf_path, 20)[12:]
+    rendered = [hf_tok.apply_chat_template(p["prompt"] + p[branch], tokenize=True, return_dict=False)
+                for p in probe_pairs for branch in ("chosen", "rejected")]
+    assert rendered == [list(map(int, s)) for s in seqs]
+    for p, r in zip(probe_pairs, rows[12:]):
+        assert hf_tok.apply_chat_template(p["prompt"], add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) == list(r["chosen_ids"][:r["chosen_prompt_len"]])
+    batch = hf_tok.pad({"input_ids": rendered}, padding=True, return_tensors="pt")
     assert (batch["input_ids"] == pad).any()                  # some rows really are padded
     with torch.no_grad():
         got = model(**batch).logits[:, 0].view(-1, 2).double().numpy()

@@ -19,6 +19,7 @@ the Snakemake API) stop before anything runs or dvc.yaml is written:
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import NoReturn
 
 
@@ -69,6 +70,18 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
                               "--config/--configfile (DVC tracks params.yaml only)")
         resolve_source_files(params["data"]["sources"])
         check_fits_reference(params["tokenize"]["max_length"], params["ref"]["local_dir"])
+        _check_pinned_judge(params["generation"]["judge"])
     except (ParamsError, SourceError, TokenizeError) as e:
         refuse(one_line(e))
     return params
+
+
+def _check_pinned_judge(judge) -> None:
+    """A pinned judge that cannot judge (not a sequence-classification model with one label: its config files)
+    is refused here, before generate spends anything; a missing directory is verify_judge's to report."""
+    from stages.lib.params import ParamsError
+    from stages.lib.reference import judge_head_problem
+    if isinstance(judge, dict) and Path(judge["local_dir"]).is_dir():
+        problem = judge_head_problem(judge["local_dir"])
+        if problem is not None:
+            raise ParamsError(f"generation.judge: {problem}")

@@ -26,7 +26,8 @@ import re
 from dataclasses import dataclass, replace
 
 from stages.data.limits import TokenizeError, TokenizeLimits
-from stages.data.render import BranchRejected, chat_template_renderer, render_chat, render_plain
+from stages.data.render import (BranchRejected, chat_template_renderer, export_chat_template, render_chat, render_plain,
+                                template_problem)
 from stages.data.tokenizer import (SPACE_CUT, chat_template_text, cuts_at_spaces, max_chars_per_token,
                                    special_token_strings, untrimmed_backend)
 
@@ -137,6 +138,17 @@ class PairTokenizer:
     def rendering(self) -> str:
         return "chat_template" if self.uses_chat_template else "plain"
 
+    @property
+    def export_prefix(self) -> str:
+        """The text of the special tokens tokenize's encoding puts before a rendering (a plain rendering is encoded
+        with the tokenizer's special tokens: its post-processor's BOS, if any; a chat template spells its own)."""
+        if not self.add_special_tokens:
+            return ""
+        bare = self.backend.encode("x", add_special_tokens=False).ids
+        full = self.backend.encode("x", add_special_tokens=True).ids
+        cut = next((i for i in range(len(full)) if full[i:i + len(bare)] == bare), 0)
+        return "".join(self.backend.id_to_token(t) for t in full[:cut])
+
     def render(self, prompt: list[dict], completion: list[dict]) -> tuple[str, str]:
         if self._special_re is not None:
             for m in prompt + completion:
@@ -178,3 +190,40 @@ class PairTokenizer:
             except BranchRejected as e:
                 out[k] = e
         return out
+
+
+def turn_closing(pair_tokenizer: PairTokenizer) -> list[int]:
+    """The token ids that close an assistant turn after its content, as tokenize renders a completion: a chat
+    template's end-of-turn (ChatML: "<|im_end|>" "\\n"), else the EOS tokenize appends. A generated completion is
+    judged as prompt + its content + these ids: the conversation as tokenize would have rendered it (the judge
+    reads its last token, as it read the probe's). Taken from a rendered one-turn conversation, in context."""
+    content = "Yes"
+    _, full = pair_tokenizer.render([{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": content}])
+    end = full.rindex(content) + len(content)
+    enc = pair_tokenizer.backend.encode(full, add_special_tokens=pair_tokenizer.add_special_tokens)
+    return [int(i) for i, (start, _) in zip(enc.ids, enc.offsets) if start >= end]
+
+
+def exported_chat_template(tokenizer) -> str:
+    """The chat template a trained model's export carries (chat_template.jinja): `apply_chat_template` renders a
+    conversation with it exactly as tokenize rendered a pair's branch, prompt with the generation prompt and whole
+    conversation alike (stages/data/render.py export_chat_template); checked on sample conversations here, and a
+    template that would render otherwise refused (TokenizeError) before anything is trained."""
+    pt = PairTokenizer(tokenizer)
+    template = export_chat_template(tokenizer, pt.eos_token, pt.specials, pt.export_prefix)
+    problem = template_problem(pt, template)
+    if problem is not None:
+        raise TokenizeError(f"the chat template the export would carry does not render as tokenize does: {problem}")
+    return template
+
+
+def export_template_files(model_dir) -> dict[str, str]:
+    """{file name: text} a trained model's export writes beside the tokenizer it copies from `model_dir` (the
+    reference): chat_template.jinja from exported_chat_template; nothing when the directory has no tokenizer."""
+    from pathlib import Path
+
+    from stages.data.tokenizer import load_tokenizer
+    from stages.lib.contracts import TOKENIZER_VOCAB_FILES
+    if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_VOCAB_FILES):
+        return {}
+    return {"chat_template.jinja": exported_chat_template(load_tokenizer(model_dir))}

@@ -47,10 +47,12 @@ def chat_template_renderer(tokenizer):
     messages normalized (None-valued keys dropped), the template rendered by transformers' own
     sandboxed Jinja with the special tokens as template variables. Needs only
     transformers.utils.chat_template_utils (no torch), so forked workers render with it too."""
-    from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+    return template_renderer(chat_template_text(tokenizer), dict(tokenizer.special_tokens_map))
 
-    template = chat_template_text(tokenizer)
-    variables = dict(tokenizer.special_tokens_map)
+
+def template_renderer(template: str, variables: dict):
+    """render(messages, add_generation_prompt) -> text for any Jinja chat template (see chat_template_renderer)."""
+    from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
 
     def render(messages: list[dict], add_generation_prompt: bool) -> str:
         rendered, _ = render_jinja_template(
@@ -90,3 +92,61 @@ def render_chat(render, prompt: list[dict], completion: list[dict]) -> tuple[str
         pos = found + len(m["content"].strip())
     return prompt_text, full_text
 
+
+
+# ---------------------------------------------------------------------------------------------
+# The exported models' chat template: a consumer's apply_chat_template renders what tokenize rendered
+# ---------------------------------------------------------------------------------------------
+
+EXPORT_TEMPLATE_CHECKS = (
+    ([{"role": "user", "content": "Hi"}], [{"role": "assistant", "content": "Yes."}]),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "a"},
+      {"role": "assistant", "content": "b"}, {"role": "user", "content": "c?"}],
+     [{"role": "assistant", "content": "d e"}]),
+)
+
+
+def _jinja_literal(text: str) -> str:
+    import json
+    return json.dumps(text)          # a JSON string is a valid Jinja string literal (same escapes)
+
+
+def export_chat_template(tokenizer, eos_token: str | None, specials: list[str], prefix: str = "") -> str:
+    """A Jinja chat template with which `apply_chat_template` renders a conversation as tokenize rendered a pair's
+    branch (PairTokenizer.render): the tokenizer's own template, or the plain role tags (render_plain), and the EOS
+    tokenize appends after an assistant turn whose rendering does not already end with a special token.
+    `prefix`: the text of the special tokens the tokenizer's post-processor puts first (a BOS) in a plain rendering,
+    which tokenize encodes with them and apply_chat_template without."""
+    own = chat_template_text(tokenizer)
+    ends_turn = ("messages and messages[-1]['role'] == 'assistant' and not add_generation_prompt")
+    if own is not None:
+        # The own template's output captured whole (`+%}` / `{%+` keep Jinja's trim/lstrip from touching its edges).
+        closing = "" if eos_token is None else (
+            "{% if " + ends_turn + " and not prefpipe_rendered.rstrip().endswith((" +
+            ", ".join(_jinja_literal(s) for s in specials) + ",)) %}{{ " + _jinja_literal(eos_token) + " }}{% endif %}")
+        return "{% set prefpipe_rendered +%}" + own + "{%+ endset %}{{ prefpipe_rendered }}" + closing
+    tags = ", ".join(f"{_jinja_literal(k)}: {_jinja_literal(v)}" for k, v in PLAIN_ROLE_TAGS.items())
+    sep = _jinja_literal(PLAIN_TURN_SEPARATOR)
+    return ("{{ " + _jinja_literal(prefix) + " }}{% for message in messages %}{% if not loop.first %}{{ " + sep +
+            " }}{% endif %}{{ {" + tags + "}[message['role']] + ': ' + message['content'] }}{% endfor %}"
+            "{% if add_generation_prompt %}{{ " + sep + " + 'Assistant:' }}{% elif " + ends_turn.replace(
+                " and not add_generation_prompt", "") + " %}{{ " + _jinja_literal(eos_token or "") + " }}{% endif %}")
+
+
+def template_problem(pair_tokenizer, template: str) -> str | None:
+    """None when `template` renders EXPORT_TEMPLATE_CHECKS' conversations (prompt with the generation prompt, and
+    the whole) exactly as `pair_tokenizer` does; else the first difference."""
+    render = template_renderer(template, dict(pair_tokenizer.tokenizer.special_tokens_map))
+    prefix = pair_tokenizer.export_prefix
+    for prompt, completion in EXPORT_TEMPLATE_CHECKS:
+        try:
+            want = pair_tokenizer.render(prompt, completion)
+        except BranchRejected:
+            continue                                    # tokenize never renders this conversation either
+        got = (render(prompt, True), render(prompt + completion, False))
+        want = (prefix + want[0], prefix + want[1])
+        if got != want:
+            which = 0 if got[0] != want[0] else 1
+            return (f"{('prompt', 'conversation')[which]} of {len(prompt + completion)} messages renders "
+                    f"{got[which][:160]!r}, tokenize renders {want[which][:160]!r}")
+    return None

@@ -198,3 +198,42 @@ def tokenizers_only_process() -> None:
         # transformers' one-line advice that models are unavailable (stderr, never the log file): expected here.
         os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+
+
+# ---------------------------------------------------------------------------------------------
+# What ids mean: two tokenizers that give every id the same token can exchange token ids (generation, judging)
+# ---------------------------------------------------------------------------------------------
+
+def vocabulary(tokenizer) -> dict[str, tuple[int, bool]]:
+    """token -> (id, special) over the whole vocabulary, added tokens included. Pad-token choice, chat template
+    and model_max_length are not part of it: they do not change what an id means."""
+    specials = set(special_token_strings(tokenizer))
+    return {tok: (int(i), tok in specials) for tok, i in tokenizer.get_vocab().items()}
+
+
+def vocabulary_digest(tokenizer) -> str:
+    return sha256_json(sorted([tok, i, special] for tok, (i, special) in vocabulary(tokenizer).items()))
+
+
+def vocabulary_difference(a, b) -> str | None:
+    """None when the two tokenizers' vocabularies are the same (vocabulary()); else the first difference, in words."""
+    va, vb = vocabulary(a), vocabulary(b)
+    if va == vb:
+        return None
+    for tok in sorted(set(va) | set(vb)):
+        if va.get(tok) != vb.get(tok):
+            def say(v):
+                return "absent" if v is None else f"id {v[0]}" + (" (special)" if v[1] else "")
+            return f"{len(va)} vs {len(vb)} tokens; token {tok!r}: {say(va.get(tok))} vs {say(vb.get(tok))}"
+    return f"{len(va)} vs {len(vb)} tokens"
+
+
+def check_same_vocabulary(reference, other, what: str, other_dir, reference_dir) -> None:
+    """`what`'s tokenizer gives every id the reference's token, else TokenizeError naming both (a policy or judge
+    that reads the reference's token ids must)."""
+    problem = vocabulary_difference(reference, other)
+    if problem is not None:
+        raise TokenizeError(f"the {what}'s tokenizer ({other_dir}, vocabulary {vocabulary_digest(other)[:12]}) "
+                            f"differs from the reference's ({reference_dir}, vocabulary "
+                            f"{vocabulary_digest(reference)[:12]}): {problem}; their token ids do not mean the same "
+                            "text")

@@ -125,12 +125,15 @@ def save_state_dtype(hf: nn.Module, state: dict | None, directory: Path) -> None
 
 
 def export_model(module: nn.Module, objective, settings: TrainSettings, env: DistEnv, src_dir: Path,
-                 out_dir: Path, adapter: Adapter | None = None, state: dict | None = None) -> None:
+                 out_dir: Path, adapter: Adapter | None = None, state: dict | None = None,
+                 extra_files: dict[str, str] | None = None) -> None:
     """HF directory: a causal LM (DPO) or a sequence-classification model with its scalar head (RM); with
     train.adapter, as its `export` says (export_adapter). Tokenizer files are copied from the source directory so
     the export is usable on its own; a reward model's tokenizer pads with its config.pad_token_id
     (export_tokenizer_pad). state: the tensors to save instead of the module's own (rank 0's; host_state_dict),
-    config.json recording their dtype."""
+    config.json recording their dtype. extra_files {name: text}: written beside the tokenizer, over a copied file
+    of that name (the stage's chat_template.jinja, which renders as tokenize did: stages/data/pair_tokenizer.py); a
+    legacy chat_template.json is then left out, so the one template is the loaded one."""
     hf = objective.hf_model(module)
     if adapter is None:                # with adapters the head is checked on the merged model
         check_export_head(hf, objective.head)
@@ -161,6 +164,10 @@ def export_model(module: nn.Module, objective, settings: TrainSettings, env: Dis
             for name in (*TOKENIZER_FILES, "generation_config.json"):
                 if (Path(src_dir) / name).exists() and not (d / name).exists():
                     shutil.copy2(Path(src_dir) / name, d / name)
+            for name, text in (extra_files or {}).items():
+                (d / name).write_text(text, encoding="utf-8")
+                if name == "chat_template.jinja":
+                    (d / "chat_template.json").unlink(missing_ok=True)
             if objective.head == "score":
                 export_tokenizer_pad(d, hf.config.pad_token_id)
         shutil.rmtree(out_dir, ignore_errors=True)

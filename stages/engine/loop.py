@@ -333,12 +333,12 @@ def save(run: Run, ckpt: CheckpointOptions) -> None:
     run.saved_checkpoints.append(state.step)
 
 
-def export_trained(run: Run, model_dir: Path) -> None:
+def export_trained(run: Run, model_dir: Path, extra_files: dict[str, str] | None = None) -> None:
     """run.out_dir/model: the trained model. Where the optimizer keeps fp32 masters of bf16 weights, the masters
     (what was trained, not their bf16 working copies) are exported in fp32. Those, and every GPU run's weights
     (FSDP2 gathers its own), are copied to the host tensor by tensor (export.host_state_dict): the export allocates
     nothing on the device, so it stays under the training peak the memory plan bounds. Rank 0 makes the copies
-    (only it writes)."""
+    (only it writes). extra_files: written beside the tokenizer (export_model)."""
     state = None
     masters = getattr(run.optimizer, "master_params", None) is not None
     on_gpu = run.env.device.type == "cuda" and run.settings.parallel != "fsdp2"
@@ -346,14 +346,16 @@ def export_trained(run: Run, model_dir: Path) -> None:
         with torch.no_grad():
             state = host_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None)
     export_model(run.module, run.objective, run.settings, run.env, Path(model_dir), run.out_dir / "model",
-                 run.adapter, state=state)
+                 run.adapter, state=state, extra_files=extra_files)
 
 
 def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
           probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
-          environment: dict | None = None, perf_path: Path | None = None) -> dict:
+          environment: dict | None = None, perf_path: Path | None = None,
+          export_files: dict[str, str] | None = None) -> dict:
     """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
-    export; returns run_info plus its `perf` (rank 0 writes files).
+    export (with `export_files` written beside the tokenizer: export_model); returns run_info plus its `perf`
+    (rank 0 writes files).
 
     run_info.json holds only what the same commit, params, data and environment reproduce byte for byte
     (it is an artifact hashed in dvc.lock and the evidence); timings, throughput and memory go to
@@ -423,7 +425,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     t_probe = time.perf_counter()
     probe(run, "final")
     t_export = time.perf_counter()
-    export_trained(run, Path(model_dir))
+    export_trained(run, Path(model_dir), export_files)
     after_loop = {"probe_final": round(t_export - t_probe, 3), "export": round(time.perf_counter() - t_export, 3)}
     return write_records(run, graph_info, environment, perf_path, train_log.throughput, train_seconds,
                          time.perf_counter() - t_start, after_loop)

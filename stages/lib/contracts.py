@@ -8,7 +8,8 @@ A stage that writes an artifact and a stage that checks it import the same defin
 * the probe (freeze_probe -> tokenize, evaluate): `probe_digest`, PROBE_MANIFEST_SCHEMA;
 * tokens (tokenize -> ref_logps, training, evaluate): TOKENS_SCHEMA, `token_hash`, `token_digest`,
   PROBE_TOKEN_MANIFEST_SCHEMA, and TOKENIZER_FILES (the files that make a tokenizer: its identity);
-* probe rows (training -> evaluate): `correct_label`.
+* probe rows (training -> evaluate): `correct_label`;
+* generations (generate -> judge): GENERATIONS_SCHEMA, GENERATION_SIDES and `generation_rows` (the check).
 
 Manifest shapes are JSON Schemas checked with jsonschema where a stage reads the file
 (`check_shape`); the semantic checks (digests, order, counts) stay with the stage that owns them.
@@ -249,6 +250,44 @@ PROBE_TOKEN_MANIFEST_SCHEMA = {
 
 
 # ==================================================================================== probe rows
+
+# ==================================================================================== generations
+
+GENERATION_SIDES = ("policy", "reference")
+GENERATIONS_SCHEMA = pa.schema([
+    ("pair_id", pa.string()), ("index", pa.int32()), ("sample", pa.int32()), ("side", pa.string()),
+    ("prompt", pa.string()),                       # the probe pair's prompt messages, canonical JSON (for display)
+    ("prompt_ids", pa.list_(pa.int32())), ("tokens", pa.list_(pa.int32())),
+    ("n_tokens", pa.int32()), ("stop_reason", pa.string()), ("text", pa.string()),
+    ("policy_logp", pa.float64()), ("reference_logp", pa.float64()),
+])
+STOP_REASONS = ("eos", "end_of_turn", "max_new_tokens")
+
+
+def generation_rows(table: pa.Table, path: str) -> list[dict]:
+    """generations.parquet's rows, checked whole: its schema; for every (index, sample) in order a policy row
+    then a reference row on the same pair and prompt tokens; indexes 0 .. n-1 with the same samples each; a
+    token count and stop reason that fit the tokens. Raises ContractError naming the file and row."""
+    if table.schema.remove_metadata() != GENERATIONS_SCHEMA:
+        raise ContractError(f"{path}: schema {table.schema.remove_metadata()} is not generate's {GENERATIONS_SCHEMA}")
+    rows = table.to_pylist()
+    if not rows or len(rows) % 2:
+        raise ContractError(f"{path}: {len(rows)} rows; generate writes a policy and a reference row per item")
+    samples = 1 + max(r["sample"] for r in rows)
+    for k, r in enumerate(rows):
+        item, side = divmod(k, 2)
+        want = (item // samples, item % samples, GENERATION_SIDES[side])
+        if (r["index"], r["sample"], r["side"]) != want:
+            raise ContractError(f"{path} row {k}: (index, sample, side) {(r['index'], r['sample'], r['side'])}, "
+                                f"expected {want}: rows must be every probe position and sample, policy then "
+                                "reference")
+        if side and (r["pair_id"], r["prompt_ids"]) != (rows[k - 1]["pair_id"], rows[k - 1]["prompt_ids"]):
+            raise ContractError(f"{path} row {k}: the reference's prompt is not the policy's (row {k - 1})")
+        if r["stop_reason"] not in STOP_REASONS or r["n_tokens"] != len(r["tokens"]) or not r["tokens"]:
+            raise ContractError(f"{path} row {k}: stop_reason {r['stop_reason']!r} / n_tokens {r['n_tokens']} do "
+                                f"not fit its {len(r['tokens'])} tokens")
+    return rows
+
 
 def correct_label(chosen: float, rejected: float) -> float:
     """A probe row's `correct`: 1 when chosen scores higher, 0 when lower, 0.5 on an exact tie."""

@@ -12,13 +12,15 @@ Bundle layout (every member under `evidence/`):
                        file by its hashes: the pin of what normalize read)
   environment.json     the environment record and each training run's layout, objective and settings
   params.yaml          the run's params.yaml, byte for byte but for absolute paths (see portable_path)
-  summary.md           the metrics table, what ran (sources, tokenize, reference, training, per-source accuracy for
-                       mixtures: stages/lib/evidence_records.py) and the curves
+  summary.md           the metrics table, the generation section (evidence_generation.py), what ran (sources,
+                       tokenize, reference, training, per-source accuracy for mixtures: stages/lib/evidence_records.py)
+                       and the curves
   probe_sources.json   each probe pair's source, in probe order (the join per-source accuracy needs)
   curves/<label>_train_curves.png
   artifacts/<path>     metrics, per-pair JSONL, the bootstrap summary, the train logs, the environment record, the
-                       two probe manifests and the run records (normalize_stats, tokenize_report, ref_identity,
-                       run_info: absolute paths in them written portably), under their repo-relative paths
+                       two probe manifests, the judge's outputs and the run records (normalize_stats,
+                       tokenize_report, ref_identity, run_info: absolute paths in them written portably), under their
+                       repo-relative paths
 """
 from __future__ import annotations
 
@@ -40,7 +42,9 @@ BUNDLE_ROOT = "evidence"
 MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
 # 2: the manifest's `curves` and `sources`, environment.json's per-run objective and settings, absolute
 # paths in params.yaml written portably. 3: the run records packed (an entry `portable: true` when their absolute
-# paths were rewritten), probe_sources.json, summary.md's "What ran". `verify` refuses a format it cannot fully check.
+# paths were rewritten), probe_sources.json, summary.md's "What ran"; the generation evaluation (generate's and
+# judge's artifacts, the judgments packed, summary.md's generation section). `verify` refuses a format it cannot
+# fully check.
 FORMAT = "prefpipe-evidence/3"
 FIXED_MTIME = 0
 CURVE_COLUMNS = ["loss", "accuracy", "margin", "lr", "grad_norm"]
@@ -288,10 +292,14 @@ def _f(x: float) -> str:
 
 
 def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict,
-                   train_logs: dict[str, dict[str, list[float]]] | None = None, records: dict | None = None) -> str:
+                   train_logs: dict[str, dict[str, list[float]]] | None = None, records: dict | None = None,
+                   generation: dict | None = None) -> str:
     """summary.md: the metrics table, the implicit reward scored, the plan's warnings (from each run's train log
-    columns by label, read_train_log), then what ran (`records`: stages.lib.evidence_records.bundle_records of the
-    bundle's members: sources, tokenize, reference, training, per-source accuracy for mixtures), then the curves."""
+    columns by label, read_train_log), the generation section (the packed judge outputs:
+    stages/lib/evidence_generation.py generation_members, or None), then what ran (`records`:
+    stages.lib.evidence_records.bundle_records of the bundle's members: sources, tokenize, reference, training,
+    per-source accuracy for mixtures), then the curves."""
+    from stages.lib.evidence_generation import render_generation_section
     from stages.lib.evidence_records import summary_sections
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]
@@ -321,6 +329,7 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
                                        params["train"]["warmup_ratio"])]
     if warnings:
         lines += ["## Warnings", "", *warnings, ""]
+    lines += render_generation_section(generation, params)
     if records is not None:
         lines += summary_sections(records, params)
     if curves:

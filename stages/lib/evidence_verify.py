@@ -28,6 +28,7 @@ from typing import Any
 from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
                                  portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
+from stages.lib.evidence_generation import check_generation, generation_members
 from stages.lib.evidence_records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
                                          record_problems)
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
@@ -143,7 +144,7 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     ws = _Workspace(workspace) if workspace is not None else None
     for check, args in ((_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
                         (_check_sources, (ws,)), (_check_records, (ws,)), (_check_evaluation, ()),
-                        (_check_derived, ()), (_check_environment, ())):
+                        (check_generation, ()), (_check_derived, ()), (_check_environment, ())):
         _guarded(v, bundle, check, b, *args)
     return v
 
@@ -480,7 +481,8 @@ def _check_derived(v: Verdicts, b: _Bundle) -> None:
         logs = {spec["label"]: read_train_log(spec["train_log"], b.packed(spec["train_log"]).decode("utf-8"))
                 for spec in curves.values() if isinstance(spec, dict) and b.packed(spec.get("train_log")) is not None}
         want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
-                              sorted(curves), b.params, logs, bundle_records(b.members, BUNDLE_ROOT)).encode("utf-8")
+                              sorted(curves), b.params, logs, bundle_records(b.members, BUNDLE_ROOT),
+                              _bundle_generation(b)).encode("utf-8")
         have = b.members.get(SUMMARY, b"")
         v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary, train logs, run records, "
               "per-pair rows and params" if have == want else f"not what report writes from the bundle's metrics, "
@@ -548,6 +550,11 @@ def _check_records(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         return
     v.add(want == records.get("probe_sources"), f"{PROBE_SOURCES} (workspace)",
           f"remade from {rel}" if want == records.get("probe_sources") else f"not the sources of {rel}'s pairs")
+
+
+def _bundle_generation(b: _Bundle) -> dict | None:
+    """The packed judge outputs, as report read them for summary.md (stages/lib/evidence_generation.py)."""
+    return generation_members(b.packed_json, lambda rel: None if b.packed(rel) is None else b.packed(rel).decode())
 
 
 def _check_environment(v: Verdicts, b: _Bundle) -> None:

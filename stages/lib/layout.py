@@ -31,6 +31,14 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
     "evaluate": {"metrics_dpo": "metrics/dpo.json",
                  "metrics_rm": "metrics/rm.json",
                  "bootstrap": "results/evaluate/bootstrap_summary.json"},
+    # A policy / judge not trained here: its pin proved as `ref`'s is (only when params pin one: pinned_models).
+    "verify_policy": {"identity": "results/verify_policy/policy_identity.json"},
+    "verify_judge": {"identity": "results/verify_judge/judge_identity.json"},
+    "generate": {"generations": "results/generate/generations.parquet",
+                 "info": "results/generate/generation_info.json"},
+    "judge": {"judgments": "results/judge/judgments.jsonl",
+              "metrics_generation": "metrics/generation.json",
+              "summary": "results/judge/judge_summary.json"},
     "report": {"bundle": "results/report/evidence.tar.gz",
                "summary": "results/report/summary.md",
                "curves": "results/report/curves"},
@@ -46,9 +54,26 @@ def uses_ref_logps(params: dict) -> bool:
     return params["dpo"]["objective"] == "dpo"
 
 
+def pinned_models(params: dict) -> list[str]:
+    """The generation models params pin instead of taking them from training ("policy", "judge")."""
+    return [role for role in ("policy", "judge") if isinstance(params["generation"][role], dict)]
+
+
+
+def pinned_model_inputs(params: dict, role: str) -> dict[str, str | list[str]]:
+    """verify_<role>'s inputs for a pinned model: its directory, and a local pin's lock (which changes with any
+    file); empty lists when `role` is trained here."""
+    if role not in pinned_models(params):
+        return {"model_dir": [], "lock": []}
+    pin = params["generation"][role]
+    return {"model_dir": pin["local_dir"],
+            "lock": [f"{pin['local_dir']}/prefpipe.lock.json"] if pin["source"] == "local" else []}
+
 def stages(params: dict) -> list[str]:
     """The pipeline's stages under these params, in the order above."""
-    return [s for s in STAGE_OUTPUTS if s != "ref_logps" or uses_ref_logps(params)]
+    optional = {"ref_logps": uses_ref_logps(params),
+                **{f"verify_{role}": role in pinned_models(params) for role in ("policy", "judge")}}
+    return [s for s in STAGE_OUTPUTS if optional.get(s, True)]
 
 
 def bundle_artifacts(params: dict) -> dict[str, str]:

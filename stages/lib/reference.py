@@ -470,3 +470,43 @@ def max_positions(ref_dir: str | os.PathLike) -> tuple[int, str, Path] | None:
             if isinstance(value, int) and not isinstance(value, bool) and value > 0:
                 return value, prefix + key, path
     return None
+
+
+def pinned_model_record(identity_path: str | os.PathLike) -> dict:
+    """What a stage's record says of a pinned model: its source, repo_id, revision and identity digest (no path)."""
+    identity = read_identity(identity_path)
+    return {k: identity[k] for k in ("source", "repo_id", "revision", "identity_digest")}
+
+
+ADAPTER_CONFIG = "adapter_config.json"          # peft's adapter directory (train.adapter export `adapter`)
+
+
+def is_adapter_dir(model_dir) -> bool:
+    return (Path(model_dir) / ADAPTER_CONFIG).is_file()
+
+
+def judge_head_problem(model_dir) -> str | None:
+    """Config files only (no torch), so the Snakefile's pre-flight refuses a pinned judge before any job runs.
+    Why `model_dir` cannot judge (not a sequence-classification model with one label), read from its config
+    files before any weight is loaded; None when it can. An adapter directory must be peft's SEQ_CLS task with
+    the `score` head saved beside it."""
+    model_dir = Path(model_dir)
+    if is_adapter_dir(model_dir):
+        cfg = json.loads((model_dir / ADAPTER_CONFIG).read_text(encoding="utf-8"))
+        saved = cfg.get("modules_to_save") or []
+        if cfg.get("task_type") != "SEQ_CLS" or "score" not in saved:
+            return (f"{model_dir / ADAPTER_CONFIG}: task_type {cfg.get('task_type')!r}, modules_to_save {saved}: not "
+                    "a reward model's adapter (a SEQ_CLS adapter with its trained `score` head)")
+        return None
+    path = model_dir / "config.json"
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        return f"{path}: not readable ({e})"
+    archs = cfg.get("architectures") or []
+    labels = cfg.get("num_labels", len(cfg.get("id2label") or {}) or 2)
+    if not any(str(a).endswith("ForSequenceClassification") for a in archs):
+        return f"{path}: architectures {archs} is not a sequence-classification model (a reward model has a scalar head)"
+    if labels != 1:
+        return f"{path}: a sequence-classification model with {labels} labels, not a scalar reward (num_labels 1)"
+    return None

@@ -347,3 +347,134 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
                "bootstrap": boot,
                "training_helped": acc["improvement"]["ci_low"] > 0}
     return metrics, summary
+
+
+# --------------------------------------------------------------------------------------------------
+# Generation: the policy's completions against the reference's, scored by a judge (stages/judge.py writes the
+# rows and metrics, `report verify` recomputes them from the bundle's rows with these functions)
+# --------------------------------------------------------------------------------------------------
+
+SIDES = ("policy", "reference")
+# Length ratio (policy content tokens + 1) / (reference content tokens + 1): +1 so an empty completion has a ratio.
+LENGTH_BUCKETS = (("policy_shorter", 0.0, 0.8), ("similar", 0.8, 1.25), ("policy_longer", 1.25, math.inf))
+JUDGMENT_NUMBERS = ("policy_reward", "reference_reward", "policy_log_ratio")
+JUDGMENT_COUNTS = ("policy_length", "reference_length", "policy_generated_tokens")
+
+
+def judgment_arrays(rows: list[dict], source: str) -> dict[str, np.ndarray]:
+    """The judge's rows (one per prompt and sample, in (index, sample) order, every prompt with the same samples)
+    as float64 arrays, plus `prompt` (each row's prompt position); `win` recomputed from the rewards and a row
+    whose `win` disagrees refused, as evaluate refuses a `correct` that disagrees with its scores."""
+    if not rows:
+        raise PerPairFileError(f"{source}: no rows")
+    prompts, samples = [], []
+    out: dict[str, list] = {k: [] for k in (*JUDGMENT_NUMBERS, *JUDGMENT_COUNTS, "win")}
+    for i, r in enumerate(rows):
+        for key in ("index", "sample"):
+            if not isinstance(r.get(key), int) or isinstance(r.get(key), bool) or r[key] < 0:
+                raise PerPairFileError(f"{source} row {i}: {key} must be an integer >= 0, got {r.get(key)!r}")
+        prompts.append(r["index"])
+        samples.append(r["sample"])
+        for key in JUDGMENT_NUMBERS:
+            out[key].append(_num(r, key, source, i))
+        for key in JUDGMENT_COUNTS:
+            v = r.get(key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < (1 if key == "policy_generated_tokens" else 0):
+                raise PerPairFileError(f"{source} row {i}: {key} must be a token count, got {v!r}")
+            out[key].append(v)
+        win = correct_label(out["policy_reward"][-1], out["reference_reward"][-1])
+        if r.get("win") != win:
+            raise PerPairFileError(f"{source} row {i} (pair {r.get('pair_id')}): win is {r.get('win')!r} but the "
+                                   f"rewards {out['policy_reward'][-1]} vs {out['reference_reward'][-1]} give {win}")
+        out["win"].append(win)
+    n = len(set(prompts))
+    per = -(-len(rows) // n)
+    want = [(p, s) for p in range(n) for s in range(per)]
+    got = list(zip(prompts, samples))
+    if got != want:
+        k = next((j for j, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+        raise PerPairFileError(f"{source} row {k}: (index, sample) {got[k] if k < len(got) else 'missing'} where "
+                               f"{want[k] if k < len(want) else 'nothing'} belongs: rows must be every prompt "
+                               "position 0 .. n-1, each with samples 0 .. n_samples-1, in that order")
+    arrays = {k: np.asarray(v, np.float64) for k, v in out.items()}
+    arrays["prompt"] = np.asarray(prompts, np.int64)
+    return arrays
+
+
+def _per_prompt(values: np.ndarray, n_prompts: int) -> np.ndarray:
+    """Mean over each prompt's samples (rows are in prompt order, the same count each)."""
+    return values.reshape(n_prompts, -1).mean(axis=1)
+
+
+def length_regression(diff: np.ndarray, dlen: np.ndarray, weights: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Weighted least squares of the reward difference on the length difference, per row of `weights` ([R, pairs]:
+    how often each pair is in a resample): (intercept [R], slope [R]). The intercept is the reward difference
+    predicted at equal length. No spread in the length difference: slope 0, intercept the weighted mean."""
+    sw = weights.sum(axis=1)
+    sx, sy = weights @ dlen, weights @ diff
+    sxx, sxy = weights @ (dlen * dlen), weights @ (dlen * diff)
+    det = sw * sxx - sx * sx
+    flat = det <= 1e-12 * np.maximum(sw * sxx, 1.0)
+    slope = np.where(flat, 0.0, (sw * sxy - sx * sy) / np.where(flat, 1.0, det))
+    return (sy - slope * sx) / sw, slope
+
+
+def length_bucket_of(policy_length: np.ndarray, reference_length: np.ndarray) -> np.ndarray:
+    ratio = (policy_length + 1) / (reference_length + 1)
+    return np.array([next(k for k, (_, lo, hi) in enumerate(LENGTH_BUCKETS) if lo <= r < hi) for r in ratio])
+
+
+def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[dict, dict]:
+    """(metrics, summary) of the judged completions: win rate of the policy over the reference (a tie counts 0.5)
+    and the mean reward difference, each with the paired percentile bootstrap of evaluate (one index matrix over
+    prompts, `evaluate` params; a prompt's samples resampled together); the length-controlled view (win rate and
+    reward difference by length-ratio bucket; the reward difference at equal length from a least-squares fit on
+    the length difference, with its bootstrap interval); the KL estimate (see docs/ARTIFACTS.md, judge)."""
+    a = judgment_arrays(rows, source)
+    n = int(a["prompt"][-1]) + 1
+    ev = params["evaluate"]
+    idx = bootstrap_indices(n, ev["bootstrap_replicates"], ev["seed"])
+    diff = a["policy_reward"] - a["reference_reward"]
+    per_prompt = {"win_rate": _per_prompt(a["win"], n),
+                  "reward_diff": _per_prompt(diff, n),
+                  "kl_per_completion": _per_prompt(a["policy_log_ratio"], n)}
+    boot = {name: _describe(v[idx].mean(axis=-1), float(v.mean()), ev["confidence"]) for name, v in per_prompt.items()}
+    # Pair-level views weight each pair by how often its prompt is in a resample (the same index matrix).
+    counts = np.stack([np.bincount(row, minlength=n) for row in idx]).astype(np.float64)[:, a["prompt"]]
+    dlen = a["policy_length"] - a["reference_length"]
+    ones = np.ones((1, len(diff)))
+    (a0,), (b0,) = length_regression(diff, dlen, ones)
+    lc, _ = length_regression(diff, dlen, counts)
+    boot["reward_diff_at_equal_length"] = _describe(lc, float(a0), ev["confidence"])
+    buckets = length_bucket_of(a["policy_length"], a["reference_length"])
+    by_bucket = {}
+    for k, (name, lo, hi) in enumerate(LENGTH_BUCKETS):
+        sel = buckets == k
+        by_bucket[name] = {"pairs": int(sel.sum()), **({"win_rate": float(a["win"][sel].mean()),
+                                                        "reward_diff": float(diff[sel].mean())} if sel.any() else {})}
+    log_ratio_tokens = float(a["policy_log_ratio"].sum() / a["policy_generated_tokens"].sum())
+
+    def bounded(name: str) -> dict:
+        b = boot[name]
+        return {name: b["point"], f"{name}_ci_low": b["ci_low"], f"{name}_ci_high": b["ci_high"]}
+
+    metrics = {
+        "n_prompts": n, "samples_per_prompt": len(rows) // n, "confidence": ev["confidence"],
+        **bounded("win_rate"), "ties": int((a["win"] == 0.5).sum()),
+        **bounded("reward_diff"),
+        "policy_reward_mean": float(a["policy_reward"].mean()),
+        "reference_reward_mean": float(a["reference_reward"].mean()),
+        "length": {"policy_mean": float(a["policy_length"].mean()),
+                   "reference_mean": float(a["reference_length"].mean()),
+                   **bounded("reward_diff_at_equal_length"), "reward_diff_per_token": float(b0),
+                   "buckets": by_bucket},
+        "kl": {**{k.replace("kl_", ""): v for k, v in bounded("kl_per_completion").items()},
+               "per_token": log_ratio_tokens},
+    }
+    summary = {"n_prompts": n, "samples_per_prompt": len(rows) // n,
+               "index_matrix": {"shape": [ev["bootstrap_replicates"], n], "dtype": "int64 little-endian, C order",
+                                "sha256": index_matrix_digest(idx)},
+               "bootstrap": boot, "length_buckets": {name: [lo, hi if math.isfinite(hi) else None]
+                                                     for name, lo, hi in LENGTH_BUCKETS},
+               "policy_better": boot["win_rate"]["ci_low"] > 0.5}
+    return metrics, summary

@@ -48,6 +48,9 @@ HASHED_ARTIFACTS = [
     *(rules.ref_logps.output if USES_REF_LOGPS else []),
     DPO_OUT.model,
     RM_OUT.model,
+    *rules.generate.output,
+    *(rules.verify_policy.output if "policy" in PINNED else []),
+    *(rules.verify_judge.output if "judge" in PINNED else []),
 ]
 
 
@@ -58,6 +61,8 @@ rule report:
         metrics=[rules.evaluate.output.metrics_dpo, rules.evaluate.output.metrics_rm],
         per_pair=[DPO_OUT.probe_step0, DPO_OUT.probe_final, RM_OUT.probe_step0, RM_OUT.probe_final],
         bootstrap=rules.evaluate.output.bootstrap,
+        # The judged completions and their metrics: packed, so `verify` reruns the win-rate bootstrap from the rows.
+        generation_eval=list(rules.judge.output),
         dpo_log=DPO_OUT.plots_train_log,
         rm_log=RM_OUT.plots_train_log,
         dpo_run_info=DPO_OUT.run_info,
@@ -83,6 +88,7 @@ rule report:
         dpo=config["dpo"],
         rm=config["rm"],
         evaluate=config["evaluate"],
+        generation=config["generation"],
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -92,6 +98,7 @@ rule report:
     shell:
         "python -m stages.report --params params.yaml --artifacts {input.artifacts}"
         " --metrics {input.metrics} --per-pair {input.per_pair} --bootstrap-summary {input.bootstrap}"
+        " --generation-eval {input.generation_eval}"
         " --train-log dpo={input.dpo_log} rm={input.rm_log}"
         " --run-info dpo={input.dpo_run_info} rm={input.rm_run_info}"
         " --environment {input.environment} --probe-manifests {input.probe_manifests}"

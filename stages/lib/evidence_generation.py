@@ -1,0 +1,136 @@
+"""The evidence bundle's part on generation (issue 28): the summary's win-rate section, and `report verify`'s check.
+
+The judge stage's three outputs are packed (stages/lib/layout.py `judge`): judgments.jsonl (one row per prompt and
+sample), metrics/generation.json and judge_summary.json. summary.md gains `render_generation_section` (the
+win-rate table, the length view and three probe prompts with both completions side by side, escaped and cut for
+display), remade by verify like the rest of the summary; `check_generation` reruns
+stages/lib/scoring.py evaluate_generation (the win-rate bootstrap, the length view, the KL estimate) on the packed
+rows and compares the metrics and the summary's bootstrap with the packed ones. Kept apart from evidence.py and
+evidence_verify.py, which call these two functions and nothing else of this module.
+"""
+from __future__ import annotations
+
+import html
+import json
+from typing import Any
+
+from stages.lib.layout import STAGE_OUTPUTS
+
+JUDGE = STAGE_OUTPUTS["judge"]
+SHOWN_PROMPTS = 3          # probe prompts shown side by side in the summary
+SHOWN_CHARS = 240          # a completion or prompt cut to this many characters for display
+
+
+def generation_members(packed_json, packed_text) -> dict | None:
+    """{"metrics", "summary", "rows"} from a bundle's packed judge outputs (packed_json / packed_text: path ->
+    parsed JSON / text, or None when not packed); None when the bundle packs none of them."""
+    metrics, summary = packed_json(JUDGE["metrics_generation"]), packed_json(JUDGE["summary"])
+    text = packed_text(JUDGE["judgments"])
+    if metrics is None and summary is None and text is None:
+        return None
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()] if text is not None else None
+    return {"metrics": metrics, "summary": summary, "rows": rows}
+
+
+def _f(x: float) -> str:
+    return f"{x:.4f}"
+
+
+def _ci(m: dict, key: str) -> str:
+    return f"{_f(m[key])} [{_f(m[key + '_ci_low'])}, {_f(m[key + '_ci_high'])}]"
+
+
+def display(text: str, limit: int = SHOWN_CHARS) -> str:
+    """Text for a markdown table cell: cut to `limit` characters (marked with an ellipsis), HTML-escaped (a
+    completion may hold `<|im_end|>` or markup), pipes and backticks neutralised, line breaks as <br>."""
+    cut = text if len(text) <= limit else text[:limit] + "…"
+    out = html.escape(cut, quote=False).replace("|", "&#124;").replace("`", "&#96;")
+    out = out.replace("\r\n", "\n").replace("\r", "\n").replace("\n", "<br>")
+    return out if out.strip() else "<i>(empty)</i>"
+
+
+def _prompt_text(messages: list[dict]) -> str:
+    """The prompt's last user turn, and how many turns came before it."""
+    last = max((i for i, m in enumerate(messages) if m.get("role") == "user"), default=len(messages) - 1)
+    text = messages[last]["content"] if messages else ""
+    return text + (f"\n(after {last} earlier turn{'s' if last != 1 else ''})" if last > 0 else "")
+
+
+def render_generation_section(generation: dict | None, params: dict) -> list[str]:
+    """summary.md's lines on generation; [] when the bundle has none."""
+    if not generation or generation.get("metrics") is None:
+        return []
+    m, rows, gen = generation["metrics"], generation.get("rows") or [], params["generation"]
+    ev = params["evaluate"]
+    judge = "the trained reward model" if gen["judge"] == "trained" else \
+        f"{gen['judge']['repo_id']} @ {gen['judge']['revision']}"
+    policy = "The trained DPO policy" if gen["policy"] == "trained" else \
+        f"{gen['policy']['repo_id']} @ {gen['policy']['revision']}"
+    sampling = "greedy" if gen["temperature"] == 0 else f"temperature {gen['temperature']}, top_p {gen['top_p']}"
+    better = "yes" if m["win_rate_ci_low"] > 0.5 else "no"
+    length, kl = m["length"], m["kl"]
+    lines = ["## Generation: policy against reference", "",
+             f"{policy} and the reference each wrote {m['samples_per_prompt']} completion(s) of each of the "
+             f"{m['n_prompts']} probe prompts ({sampling}, at most {gen['max_new_tokens']} new tokens, seed "
+             f"{gen['seed']}). Judge: {judge}. {int(round(ev['confidence'] * 100))}% paired percentile "
+             f"bootstrap intervals over prompts ({ev['bootstrap_replicates']} replicates, seed {ev['seed']}).", "",
+             "| win rate [CI] | policy better | ties | reward difference [CI] | at equal length [CI] | "
+             "KL per completion [CI] | KL per token | mean length policy / reference |",
+             "|---|---|---|---|---|---|---|---|",
+             f"| {_ci(m, 'win_rate')} | {better} | {m['ties']} | {_ci(m, 'reward_diff')} | "
+             f"{_ci(length, 'reward_diff_at_equal_length')} | {_ci(kl, 'per_completion')} | {_f(kl['per_token'])} | "
+             f"{length['policy_mean']:.2f} / {length['reference_mean']:.2f} |", "",
+             "A tie counts 0.5; the policy is better when the win rate's lower bound is above 0.5. \"At equal "
+             "length\": the reward difference a least-squares fit on the length difference predicts for equal "
+             f"lengths (slope {_f(length['reward_diff_per_token'])} per token). KL: the policy's log-ratio to the "
+             "reference over its own completions (an estimate of KL(policy || reference) when sampled at "
+             "temperature 1).", "",
+             "| length ratio (policy + 1) / (reference + 1) | pairs | win rate | reward difference |",
+             "|---|---|---|---|"]
+    bounds = {"policy_shorter": "below 0.8", "similar": "0.8 to 1.25", "policy_longer": "above 1.25"}
+    order = [k for k in bounds if k in length["buckets"]] + sorted(set(length["buckets"]) - set(bounds))
+    for name in order:
+        b = length["buckets"][name]
+        lines.append(f"| {bounds.get(name, name)} | {b['pairs']} | "
+                     f"{_f(b['win_rate']) if 'win_rate' in b else '-'} | "
+                     f"{_f(b['reward_diff']) if 'reward_diff' in b else '-'} |")
+    shown = [r for r in rows if r.get("sample") == 0][:SHOWN_PROMPTS]
+    if shown:
+        lines += ["", f"### The first {len(shown)} probe prompts", ""]
+    for r in shown:
+        lines += [f"**Prompt {r['index']}** (pair `{r['pair_id']}`): {display(_prompt_text(r['prompt']))}", "",
+                  f"| policy: reward {_f(r['policy_reward'])}, {r['policy_length']} tokens, "
+                  f"{r['policy_stop_reason']} | reference: reward {_f(r['reference_reward'])}, "
+                  f"{r['reference_length']} tokens, {r['reference_stop_reason']} |",
+                  "|---|---|",
+                  f"| {display(r['policy_completion'])} | {display(r['reference_completion'])} |", ""]
+    return lines + [""]
+
+
+# Keys of judge_summary.json that evaluate_generation makes (the rest: the judge's record, definitions).
+RECOMPUTED_SUMMARY_KEYS = ("n_prompts", "samples_per_prompt", "index_matrix", "bootstrap", "length_buckets",
+                           "policy_better")
+
+
+def check_generation(v, b) -> None:
+    """`report verify`: metrics/generation.json and judge_summary.json's bootstrap recomputed from the packed
+    judgments by evaluate_generation (floats to the verify tolerance). Missing members are _check_layout's."""
+    from stages.lib.evidence_verify import _numbers_agree
+    from stages.lib.scoring import PerPairFileError, evaluate_generation
+    generation = generation_members(b.packed_json, lambda rel: None if b.packed(rel) is None else b.packed(rel).decode())
+    if generation is None or generation["rows"] is None or generation["metrics"] is None:
+        v.add(False, JUDGE["metrics_generation"], "the bundle packs no judgments and generation metrics to recompute")
+        return
+    try:
+        metrics, summary = evaluate_generation(generation["rows"], b.params, JUDGE["judgments"])
+    except (PerPairFileError, KeyError, ValueError, TypeError) as e:
+        v.add(False, JUDGE["metrics_generation"], f"judgments refused: {e}")
+        return
+    diffs: list[str] = []
+    _numbers_agree(generation["metrics"], metrics, JUDGE["metrics_generation"], diffs)
+    v.diffs(JUDGE["metrics_generation"], diffs, f"win-rate bootstrap recomputed from {JUDGE['judgments']}")
+    packed: Any = generation["summary"] or {}
+    diffs = []
+    _numbers_agree({k: packed.get(k) for k in RECOMPUTED_SUMMARY_KEYS}, {k: summary[k] for k in RECOMPUTED_SUMMARY_KEYS},
+                   JUDGE["summary"], diffs)
+    v.diffs(JUDGE["summary"], diffs, "bootstrap bounds and index matrix recomputed")

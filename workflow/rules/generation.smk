@@ -1,0 +1,118 @@
+# Preference evaluation by generation: the policy and the reference write completions of the probe prompts
+# (generate), a judge scores both (judge) into metrics/generation.json. A policy or judge not trained here is pinned
+# as `ref` is and proved by verify_policy / verify_judge (stages.verify_ref verify --pin generation.<role>); with
+# both pinned, `snakemake --cores 2 judge` evaluates them without training anything (no train_* job in its DAG).
+
+from stages.lib.layout import pinned_model_inputs, pinned_models
+
+GEN = config["generation"]
+PINNED = pinned_models(config)
+# One process; on GPU runs one GPU (generation is not data-parallel).
+GEN_RESOURCES = train_resources(min(TRAIN["gpus"], 1), 1, TRAIN["cpu_threads"], {**SLURM, "nodes": 1})
+# The train knobs the generation and scoring passes read (device, precision, CPU pin, inference batches).
+ENGINE_PARAMS = {f"train__{k}": TRAIN[k] for k in ("gpus", "cpu_threads", "portable_numerics", "precision",
+                                                  "inference_micro_batch_tokens", "logp_chunk_tokens",
+                                                  "share_prompt", "cuda_graphs", "temperature")}
+
+
+rule verify_policy:
+    input:
+        environment=ENV_RECORD,
+        **pinned_model_inputs(config, "policy"),
+        code=code_deps("stages.verify_ref"),
+    output:
+        identity=OUT["verify_policy"]["identity"],
+    params:
+        generation__policy=GEN["policy"],
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/verify_policy.log",
+    benchmark:
+        f"{LOGS}/benchmarks/verify_policy.tsv"
+    shell:
+        "python -m stages.verify_ref verify --params params.yaml --pin generation.policy --identity {output.identity}"
+        " --log {log}"
+
+
+rule verify_judge:
+    input:
+        environment=ENV_RECORD,
+        **pinned_model_inputs(config, "judge"),
+        code=code_deps("stages.verify_ref"),
+    output:
+        identity=OUT["verify_judge"]["identity"],
+    params:
+        generation__judge=GEN["judge"],
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/verify_judge.log",
+    benchmark:
+        f"{LOGS}/benchmarks/verify_judge.tsv"
+    shell:
+        "python -m stages.verify_ref verify --params params.yaml --pin generation.judge --identity {output.identity}"
+        " --log {log}"
+
+
+rule generate:
+    input:
+        environment=ENV_RECORD,
+        identity=rules.verify_ref.output.identity,
+        policy=rules.verify_policy.output.identity if "policy" in PINNED else rules.train_dpo.output.model,
+        probe=rules.freeze_probe.output.probe,
+        probe_tokens=rules.tokenize.output.probe_tokens,
+        code=code_deps("stages.generate"),
+    output:
+        generations=OUT["generate"]["generations"],
+        info=OUT["generate"]["info"],
+    params:
+        # Every generation knob but the judge: a new judge must not generate again.
+        **{f"generation__{k}": v for k, v in GEN.items() if k != "judge"},
+        **ENGINE_PARAMS,
+        cli_policy=lambda w, input: ("--policy-identity " if "policy" in PINNED else "--policy-model ") + input.policy,
+    resources:
+        **GEN_RESOURCES,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        main=f"{LOGS}/generate.log",
+        # Timings and throughput (completions/s, tokens/s): they vary run to run, so no hashed output holds them.
+        perf=f"{LOGS}/generate.perf.json",
+    benchmark:
+        f"{LOGS}/benchmarks/generate.tsv"
+    shell:
+        "python -m stages.generate --params params.yaml --identity {input.identity} {params.cli_policy}"
+        " --probe {input.probe} --probe-tokens {input.probe_tokens}"
+        " --generations {output.generations} --info {output.info}"
+        " --environment {input.environment} --log {log.main} --perf {log.perf}"
+
+
+rule judge:
+    input:
+        environment=ENV_RECORD,
+        identity=rules.verify_ref.output.identity,
+        judge=rules.verify_judge.output.identity if "judge" in PINNED else rules.train_rm.output.model,
+        generations=rules.generate.output.generations,
+        code=code_deps("stages.judge"),
+    output:
+        judgments=OUT["judge"]["judgments"],
+        metrics_generation=OUT["judge"]["metrics_generation"],
+        summary=OUT["judge"]["summary"],
+    params:
+        generation__judge=GEN["judge"],
+        evaluate=config["evaluate"],
+        **ENGINE_PARAMS,
+        cli_judge=lambda w, input: ("--judge-identity " if "judge" in PINNED else "--judge-model ") + input.judge,
+    resources:
+        **GEN_RESOURCES,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        f"{LOGS}/judge.log",
+    benchmark:
+        f"{LOGS}/benchmarks/judge.tsv"
+    shell:
+        "python -m stages.judge --params params.yaml --identity {input.identity} {params.cli_judge}"
+        " --generations {input.generations} --judgments {output.judgments} --metrics {output.metrics_generation}"
+        " --summary {output.summary} --environment {input.environment} --log {log}"
