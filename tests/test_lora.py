@@ -17,8 +17,7 @@ import yaml
 from engine_helpers import pair_seqs, reference_seq_logps
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl
-from test_checkpoint import checkpoint_at, ckpt_args
-from test_train import assets, stage_args, torchrun, write_params  # noqa: F401 (fixture)
+from stage_helpers import checkpoint_at, ckpt_args, stage_args, torchrun, write_train_params as write_params
 
 torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parents[1]
@@ -285,7 +284,7 @@ def test_fused_kernel_routing_keeps_the_adapters(tmp_path):
     from stages.engine.data import model_inputs
     from stages.engine.modeling import SequenceLogProbs
     from stages.engine.packing import build_packed_batch, load_token_pairs
-    from test_kernels import interpret
+    from engine_helpers import interpret
     from triton_interpret_checks import lora_model
     model_dir = make_tiny_model_dir(tmp_path / "m")
     parquet = write_token_parquet(tmp_path / "t.parquet", random_rows(2, seed=4))     # interpreted kernels: slow
