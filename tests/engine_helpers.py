@@ -128,8 +128,8 @@ def pair_seqs(rows: list[dict]) -> tuple[list[list[int]], list[int]]:
     return seqs, pls
 
 
-# The fused kernels' checks under Triton's interpreter (tests/test_kernels.py on CPU, tests/test_lora.py's LoRA path):
-# a subprocess, so the calling process's kernels stay compiled-for-GPU.
+# The fused kernels' checks under Triton's interpreter (tests/engine/test_kernels.py on CPU, tests/engine/test_lora.py's
+# LoRA path): in a subprocess, so the calling process's kernels stay compiled-for-GPU.
 INTERPRET_CHECKS = Path(__file__).resolve().parent / "triton_interpret_checks.py"
 
 

@@ -1,5 +1,5 @@
 """GPU-only checks (marked `gpu`, skipped without CUDA; run through the device tool):
-    python -m pytest -q -m gpu tests/test_gpu.py
+    python -m pytest -q -m gpu tests/engine/test_gpu.py
 The fast path's kernels and the shared-prompt layout on real CUDA kernels, in bf16."""
 from __future__ import annotations
 
@@ -198,7 +198,7 @@ def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
 
 def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():
     """The low-bit modes' flat Triton kernel against LowBitAdamW's torch ops on CUDA (the interpreter check of
-    tests/test_kernels.py, on the GPU's own rounding: FMA contraction, round-to-nearest bf16)."""
+    tests/engine/test_kernels.py, on the GPU's own rounding: FMA contraction, round-to-nearest bf16)."""
     from triton_interpret_checks import check_flat_lowbit
     check_flat_lowbit("cuda")
 

@@ -1,7 +1,7 @@
 """The fused kernels (stages/engine/kernels.py) and their routing (modeling.use_fused_kernels).
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so this process's
-kernels stay compiled-for-GPU); tests/test_gpu.py runs the same checks on CUDA in bf16."""
+kernels stay compiled-for-GPU); tests/engine/test_gpu.py runs the same checks on CUDA in bf16."""
 from __future__ import annotations
 
 import importlib.util

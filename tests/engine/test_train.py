@@ -373,7 +373,7 @@ def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
 
 
 # ----------------------------------------------------------------------------------------------
-# The CUDA-graph step's optimizer body (capture itself is tested on a GPU: tests/test_gpu.py)
+# The CUDA-graph step's optimizer body (capture itself is tested on a GPU: tests/engine/test_gpu.py)
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["full", "lora"])
