@@ -22,7 +22,7 @@ from stages.lib.contracts import PAIRS_SCHEMA
 from stages.lib.contracts import row_content_hash as content_hash
 from stages.lib.io import sha256_json, write_json, write_parquet
 
-from conftest import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]
 UNLIMITED = TokenizeLimits(max_length=10**6, max_prompt_length=10**6 - 1, truncation="reject")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from stages.lib.contracts import token_hash
 from stages.lib.io import write_parquet
 
-from conftest import REPO_ROOT
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def train_settings(**overrides):

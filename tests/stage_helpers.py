@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 
-from conftest import REPO_ROOT
+from engine_helpers import REPO_ROOT
 from stages import evaluate
 from stages.engine.checkpoint import list_checkpoints
 

@@ -177,7 +177,7 @@ def _trained_one_step(assets, objective: str, train: dict):
     from stages.engine.settings import TrainSettings
     from stages.engine.steps import make_steps
     from stages.lib.params import load_params
-    params = load_params(write_params(assets / f"{objective}.yaml", train=train, dpo={"objective": "dpo_ref_free"}))
+    params = load_params(write_train_params(assets / f"{objective}.yaml", train=train, dpo={"objective": "dpo_ref_free"}))
     settings = TrainSettings.from_params(params)
     env = init_distributed(settings)
     train_pairs, probe_pairs = load_stage_tokens(assets / "model", assets / "train.parquet", assets / "probe.parquet")
