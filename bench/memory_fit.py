@@ -1,7 +1,7 @@
 """What fits on one GPU: the memory plan (stages/engine/memory_plan.py) of full fine-tuning for real model shapes in
 each optimizer-state mode, against an 80 GB and a 141 GB device, with the fewest activation-checkpointed layers that
 fit (what `train.activation_checkpointing: auto` picks). It reads no weights and needs no GPU: the plan comes from
-config.json's shape alone. The plan is an estimate checked against measured peaks by tests/test_gpu.py and the
+config.json's shape alone. The plan is an estimate checked against measured peaks by tests/engine/test_gpu.py and the
 7B runs in docs/PERFORMANCE.md.
 
     python bench/memory_fit.py [--micro-batch-tokens 4096] [--head lm_head|score] [--out fit.md]

@@ -1,5 +1,5 @@
 """Where a GPU run's peak memory is reached: runs train_rm (or train_dpo) once on the 0.2B shape of
-tests/test_gpu.py::test_memory_plan_bounds_the_measured_peak_on_gpu and prints, per phase, the peak of
+tests/engine/test_gpu.py::test_memory_plan_bounds_the_measured_peak_on_gpu and prints, per phase, the peak of
 torch.cuda.max_memory_allocated() inside it and the bytes allocated after it, beside the memory plan's parts.
 A diagnostic (wraps engine functions to read the allocator between phases), not part of any stage:
 
@@ -52,7 +52,7 @@ def main() -> None:
     args = ap.parse_args()
     from transformers import AutoModelForCausalLM, Qwen2Config
     from engine_helpers import toy_task_rows, write_token_parquet
-    from test_train import write_params
+    from stage_helpers import write_train_params
     from stages.engine import flat_adamw, loop, startup, steps
     tmp = Path(args.workdir) / args.state
     tmp.mkdir(parents=True, exist_ok=True)
@@ -63,10 +63,10 @@ def main() -> None:
     AutoModelForCausalLM.from_config(cfg).save_pretrained(tmp / "m")
     write_token_parquet(tmp / "train.parquet", toy_task_rows(256, seed=1, vocab=32000))
     write_token_parquet(tmp / "probe.parquet", toy_task_rows(16, seed=2, vocab=32000, prefix="q"))
-    params = write_params(tmp / "p.yaml", train={"gpus": 1, "precision": "bf16", "epochs": 1,
-                                                 "micro_batch_tokens": 4096, "global_batch_pairs": 64,
-                                                 "optimizer": {"state": args.state}},
-                          dpo={"objective": "dpo_ref_free"})
+    params = write_train_params(tmp / "p.yaml", train={"gpus": 1, "precision": "bf16", "epochs": 1,
+                                                       "micro_batch_tokens": 4096, "global_batch_pairs": 64,
+                                                       "optimizer": {"state": args.state}},
+                                dpo={"objective": "dpo_ref_free"})
     mark = startup.mark
 
     def marked(name):

@@ -7,9 +7,9 @@
 Where this sits: above both workflow/ and stages/. `pin` and `verify` are the stages' own CLIs (stages.verify_ref,
 stages.report), called with the same arguments, so the two spellings cannot drift apart. `status` needs
 workflow/integrity.py (the hash comparison RunGuard runs at a Snakemake run's start-up), and stages/ must not import
-workflow/ (tests/test_dag.py); workflow/ is no installed package either (the Snakefile puts it on sys.path), so this
-module loads it from the checkout it reports on: the status is that checkout's own code's verdict. Nothing below
-imports this package.
+workflow/ (tests/workflow/test_dag.py); workflow/ is no installed package either (the Snakefile puts it on
+sys.path), so this module loads it from the checkout it reports on: the status is that checkout's own code's
+verdict. Nothing below imports this package.
 """
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ Format: gzip JSON lines, one TRL conversational explicit-prompt row per line,
 (``build_examples()`` also gives each pair's rejected kind, for tests and analysis). Deterministic: every
 random choice is a keyed SHA-256 (no RNG whose algorithm could change between Python versions), rows
 are canonical JSON, and the gzip header has mtime 0 and no file name, so regeneration is
-byte-identical (tests/test_embedded_data.py checks the committed file).
+byte-identical (tests/stages/test_embedded_data.py checks the committed file).
 """
 from __future__ import annotations
 

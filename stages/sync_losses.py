@@ -2,7 +2,7 @@
 dvc.yaml from the rules. A maintainer's tool, no rule (as stages/embedded_data.py): no stage imports it.
 
     python -m stages.sync_losses            # rewrite the generated blocks
-    python -m stages.sync_losses --check    # exit 1 naming each stale block (tests/test_dpo_loss_registry.py)
+    python -m stages.sync_losses --check    # exit 1 naming each stale block (tests/engine/test_dpo_loss_registry.py)
 
 The blocks, each between a `>>> NAME:` and a `<<< NAME` marker line:
   workflow/schemas/params.schema.yaml  `dpo.loss names` (the dpo.loss enum: params pre-flight refuses an unknown

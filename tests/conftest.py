@@ -62,3 +62,15 @@ def embedded():
     from data_helpers import load_tokenizer_once
 
     return load_tokenizer_once(EMBEDDED_REF)
+
+
+# The training side's real components (tests/engine_helpers.py builds them; tests/stage_helpers.py runs the stages).
+@pytest.fixture
+def assets(tmp_path):
+    """A tiny Qwen2 model and a learnable toy preference task (37 probe pairs: the last chunk is partial)."""
+    from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
+
+    make_tiny_model_dir(tmp_path / "model")
+    write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
+    write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
+    return tmp_path

@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pyarrow as pa
+import yaml
 
 from stages.data.limits import TokenizeLimits
 from stages.data.tokenizer import load_tokenizer
@@ -181,11 +182,52 @@ def pinned_gpt2_identity(gpt2_tokenizer_dir: Path, tmp_path: Path) -> Path:
 
 def embedded_identity(tmp_path: Path) -> Path:
     """ref_identity.json of the embedded reference (models/tiny-qwen2, as params.yaml pins it), by absolute path."""
-    import yaml
-
     from stages import verify_ref
 
     ref = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["ref"]
     identity = tmp_path / "ref_identity.json"
     write_json(identity, verify_ref.verify_reference(dict(ref, local_dir=str(REPO_ROOT / ref["local_dir"]))))
     return identity
+
+
+# freeze_probe's inputs: pairs.parquet tables in the normalize contract, params with a `probe` section.
+
+def pairs_table(rows: list[dict], source: str = "test") -> pa.Table:
+    """Rows {prompt, chosen, rejected} -> a pairs.parquet table in the normalize contract's schema."""
+    records = []
+    for i, r in enumerate(rows):
+        content = {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
+        h = sha256_json(content)
+        records.append({"pair_id": h[:24], "content_hash": h, "source": source, **content,
+                        "margin": None, "src_file": f"{source}.jsonl", "src_row": i})
+    records.sort(key=lambda r: r["pair_id"])
+    return pa.Table.from_pylist(records, schema=PAIRS_SCHEMA)
+
+
+def user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def bot(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
+def leaky_rows() -> list[dict]:
+    """60 prompts, most with several pairs; some repeats differ only in whitespace."""
+    rows = []
+    for p in range(60):
+        for k in range(1 + p % 4):
+            text = f"Question {p}: what is   the answer?" if k == 2 else f"Question {p}: what is the answer?"
+            if k == 3:
+                text = f"  Question {p}:\nwhat is the answer? "
+            rows.append({"prompt": user(text), "chosen": bot(f"Answer {p}."), "rejected": bot(f"Wrong {p} {k}.")})
+    return rows
+
+
+def write_probe_params(tmp_path: Path, size: int, seed: int) -> Path:
+    """tmp_path/params.yaml: the repository's params with freeze_probe's `probe` section set."""
+    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
+    params["probe"] = {"size": size, "seed": seed}
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path

@@ -5,6 +5,9 @@ eager attention, full-vocabulary logits, no packing, no chunking.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -123,3 +126,16 @@ def pair_seqs(rows: list[dict]) -> tuple[list[list[int]], list[int]]:
         seqs += [r["chosen_ids"], r["rejected_ids"]]
         pls += [r["chosen_prompt_len"], r["rejected_prompt_len"]]
     return seqs, pls
+
+
+# The fused kernels' checks under Triton's interpreter (tests/engine/test_kernels.py on CPU, tests/engine/test_lora.py's
+# LoRA path): in a subprocess, so the calling process's kernels stay compiled-for-GPU.
+INTERPRET_CHECKS = Path(__file__).resolve().parent / "triton_interpret_checks.py"
+
+
+def interpret(*args: str) -> str:
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, str(INTERPRET_CHECKS), *args], env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    return r.stdout

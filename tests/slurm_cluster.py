@@ -1,4 +1,4 @@
-"""A real, throwaway Slurm on this machine for tests/test_slurm.py: Debian's slurmctld/slurmd (22.05) and
+"""A real, throwaway Slurm on this machine for tests/workflow/test_slurm.py: Debian's slurmctld/slurmd (22.05) and
 munge, a generated minimal slurm.conf, and munged, slurmctld and one slurmd per "node" as background
 processes, recorded by PID and stopped by PID.
 

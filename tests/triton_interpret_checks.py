@@ -1,5 +1,5 @@
-"""Run by tests/test_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter executes the
-real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same kernels is tests/test_gpu.py).
+"""Run by tests/engine/test_kernels.py in a subprocess with TRITON_INTERPRET=1: Triton's interpreter executes the
+real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same kernels is tests/engine/test_gpu.py).
 
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py kernels
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model <model_dir> <token_parquet> <out.pt>
@@ -69,7 +69,7 @@ def check_kernels() -> None:
 
 def lora_model(model_dir: str):
     """The tiny causal LM with LoRA on every linear layer (stages/engine/adapters.py) and lora_B drawn non-zero,
-    so the adapters change the output: the fused routing must keep them (tests/test_lora.py)."""
+    so the adapters change the output: the fused routing must keep them (tests/engine/test_lora.py)."""
     from stages.engine.adapters import attach_adapter
     from stages.engine.modeling import load_causal_lm
     lm = load_causal_lm(model_dir)
@@ -109,7 +109,7 @@ def model_outputs(model_dir: str, parquet: str, out: str, lora: bool = False) ->
 
 
 def check_flat_adamw(device: str = "cpu") -> None:
-    """(CPU under the interpreter, or CUDA from tests/test_gpu.py.) The graph path's flat Triton AdamW (flat_adamw.FlatMasterAdamW through graphed_optimizer_step) against
+    """(CPU under the interpreter, or CUDA from tests/engine/test_gpu.py.) The graph path's flat Triton AdamW (flat_adamw.FlatMasterAdamW through graphed_optimizer_step) against
     the eager trainer's step (grads_to_master, clip_grad_norm_, MasterWeightAdamW.step, zero_grad), step after
     step with a changing learning rate and an active clip; a parameter without gradient stays untouched; the
     optimizer state_dict it leaves continues as MasterWeightAdamW's own."""
@@ -222,8 +222,8 @@ def check_flat_adamw(device: str = "cpu") -> None:
 
 
 def check_flat_lowbit(device: str = "cpu") -> None:
-    """(CPU under the interpreter, or CUDA from tests/test_gpu.py.) FlatLowBitAdamW (kernels._adamw8_kernel through
-    graphed_optimizer_step) against LowBitAdamW's own step in torch ops, in each low-bit mode (fp32 masters of bf16
+    """(CPU under the interpreter, or CUDA from tests/engine/test_gpu.py.) FlatLowBitAdamW (kernels._adamw8_kernel
+    through graphed_optimizer_step) against LowBitAdamW's own step in torch ops, in each low-bit mode (fp32 masters of bf16
     weights, fp32 weights, bf16 weights with stochastic rounding), 4 steps with a changing learning rate, weight
     decay and an active clip, tensors not multiples of the 128-value block: masters / weights within a few fp32
     ulps (fp32_master_8bit) or equal bf16 values (bf16_sr_8bit: the same hash bits), but for the few values

@@ -1,5 +1,5 @@
 """How the training rules start their processes: one home for the torchrun command line and for the Slurm
-allocation of a training job (tests/test_slurm.py tests both).
+allocation of a training job (tests/workflow/test_slurm.py tests both).
 
 * One node (the default, `snakemake --cores N`, `dvc repro`, or one Slurm node): `torchrun --standalone`,
   a private rendezvous on a free local port, exactly the command the pipeline always ran (dvc.yaml's cmd

@@ -42,7 +42,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:      # `from integrity 
 PERF_SUFFIX = ".perf.json"
 HEADER = (
     "# GENERATED from the Snakefile by `python workflow/sync_dvc.py`; do not edit by hand.\n"
-    "# tests/test_dag.py fails when this file and the Snakefile disagree.\n"
+    "# tests/workflow/test_dag.py fails when this file and the Snakefile disagree.\n"
 )
 
 

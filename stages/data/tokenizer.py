@@ -108,7 +108,7 @@ def special_token_strings(tokenizer) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 # NFC composes at most this many characters into one: the longest canonical decomposition of any code point
-# (U+1F82 and the like; tests/test_tokenize.py recomputes it from unicodedata). len(NFD(x)) == sum of
+# (U+1F82 and the like; tests/stages/test_tokenize.py recomputes it from unicodedata). len(NFD(x)) == sum of
 # len(NFD(c)) over NFC(x)'s characters <= 4 * len(NFC(x)), and NFD never shortens: len(x) <= 4 * len(NFC(x)).
 NFC_MAX_COMPOSED = 4
 # Pre-tokenizer regexes after which a cut is exact (bounded_text); GPT-2's is ByteLevel's own (use_regex).

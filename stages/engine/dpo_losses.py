@@ -5,7 +5,7 @@ Adding a loss is this file plus its test (docs/ARCHITECTURE.md "How to add a DPO
 declarations: the name checks and refusals (check_dpo_loss), which inputs the objective computes (completion token
 counts), the implicit reward the probe and evaluate score (`reward_kind`), the checkpoint fingerprint's knobs,
 the log's hints, and, through `python -m stages.sync_losses`, the schema's `dpo.loss` enum and knob keys,
-params.yaml's comment and docs/DPO_LOSSES.md's table (tests/test_dpo_loss_registry.py fails until it has run).
+params.yaml's comment and docs/DPO_LOSSES.md's table (tests/engine/test_dpo_loss_registry.py fails until it has run).
 Only train_dpo (and what reads its outputs) imports this file, so a new loss reruns train_dpo and what follows it.
 
 Every formula reads a LossInputs `x`:

@@ -13,8 +13,8 @@ model and the optimizer see are views into them), and a step is
   3. _adamw_kernel per parameter group: read gradient / divisor, master, moments; write master, moments,
      the rounded bf16 parameter and a zeroed gradient: one pass (~15 GB).
 The math is torch's AdamW (decoupled decay, bias correction) with clip_grad_norm_'s coefficient, per
-element in fp32: equal to MasterWeightAdamW's own step to a few fp32 ulps (tests/test_kernels.py under
-Triton's interpreter, tests/test_gpu.py against torch's fused CUDA kernel).
+element in fp32: equal to MasterWeightAdamW's own step to a few fp32 ulps (tests/engine/test_kernels.py under
+Triton's interpreter, tests/engine/test_gpu.py against torch's fused CUDA kernel).
 
 The flat layout is built at the run's first optimizer step (run eagerly by the graph path), from the
 parameters that have a gradient then, exactly the ones torch's AdamW would update: existing optimizer

@@ -8,7 +8,7 @@ H / K = attention / KV heads, h = head_dim (d / H by default), I = intermediate:
     + biases: Qwen2 q/k/v (Hh + 2Kh); Llama/Mistral/Qwen3 with attention_bias q/k/v/o (Hh + 2Kh + d), mlp_bias
       (2I + d); Qwen3 q_norm and k_norm (2h)
   + embedding V.d + final norm d + the head: a causal LM's LM head V.d unless tied to the embedding; a reward
-    model's scalar `score` d (no LM head). tests/test_memory_plan.py checks it against real models' numel.
+    model's scalar `score` d (no LM head). tests/engine/test_memory_plan.py checks it against real models' numel.
 
 Bytes (n = trainable parameters, N = all; b = 2 under precision bf16 on one device, else 4):
   weights   N.b (FSDP2: fp32 shards, N.4 / world, plus one gathered bf16 block at a time)

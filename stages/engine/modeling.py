@@ -128,7 +128,7 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if backend == "flash_attn":      # causal is bottom-right aligned in flash-attn >= 2.1
         out = _flash_attn_varlen_func(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_k,
                                       softmax_scale=scaling, causal=True)
-    elif backend == "torch_varlen":  # window (-1, 0) = causal, bottom-right aligned (checked in tests/test_gpu.py)
+    elif backend == "torch_varlen":  # window (-1, 0) = causal, bottom-right aligned (tests/engine/test_gpu.py)
         if n_rep > 1:
             k, v = k.repeat_interleave(n_rep, dim=1), v.repeat_interleave(n_rep, dim=1)
         out = _torch_varlen_attn(q, k, v, cu_seq_lens_q, cu_k, max_length_q, max_k,
@@ -547,7 +547,7 @@ def _load_reward_model(model_dir, dtype: torch.dtype, placement: dict) -> nn.Mod
     if placement and any(k.startswith("score.") for k in info.get("missing_keys", [])):
         # A new head, as the CPU load makes it: the model's own _init_weights on a CPU copy, drawing from the
         # CPU RNG at the state the load started from (and leaving it where the CPU load leaves it), so a run's
-        # seeded head does not depend on where the weights were loaded (tests/test_modeling.py checks this).
+        # seeded head does not depend on where the weights were loaded (tests/engine/test_modeling.py checks this).
         score = model.score
         fresh = nn.Linear(score.in_features, score.out_features, bias=score.bias is not None, device="meta",
                           dtype=score.weight.dtype).to_empty(device="cpu")

@@ -92,7 +92,7 @@ def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv,
     # vector math (VML), whose float sqrt is not correctly rounded and differs between Intel and AMD processors
     # even under the portable pin (MKL_CBWR covers BLAS, not VML): the same run trained different bytes on an
     # AMD EPYC and an Intel Xeon. The fused kernel is an ATen kernel, the same on every x86-64 CPU
-    # under ATEN_CPU_CAPABILITY=default (tests/test_portable_numerics.py replays it under an emulated AMD CPU).
+    # under ATEN_CPU_CAPABILITY=default (tests/engine/test_portable_numerics.py replays it under an emulated AMD CPU).
     kw = dict(lr=settings.lr, betas=settings.adam_betas, fused=env.device.type in ("cuda", "cpu"))
     if settings.optimizer_state != "exact":
         # masters: only fp32_master_8bit over bf16 weights keeps them (bf16_sr_8bit is master-free; FSDP2's fp32

@@ -157,7 +157,7 @@ def token_hashes_of(table: pa.Table, threads: int | None = None) -> list[str | N
     same sha256 of the same canonical JSON text as token_hash, built by Arrow's kernels instead of json.dumps.
     canonical_json writes a list of ints as `[` + the decimal ints joined by `,` + `]` (no spaces), which is what
     the cast to strings and the joins below write, so the text is byte for byte the one token_hash hashes
-    (tests/test_content_checks.py checks them against each other, edge cases included). About 4x faster than
+    (tests/lib/test_content_checks.py checks them against each other, edge cases included). About 4x faster than
     token_hash row by row on one core (bench/token_hash_bench.py: 9.6 s for 1M pairs of 340 tokens, against 38 s),
     and the pieces run in `threads` threads (Arrow's kernels and hashlib's sha256 release the GIL). None for a row
     with a null value (it has no canonical JSON)."""

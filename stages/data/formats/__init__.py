@@ -9,7 +9,7 @@ whoever imports the package, so a stage reruns when any format changes.
     FORMATS               name -> Format, sorted by name
     FORMAT_NAMES          the values of a source's `format`: "auto", then every registered name
                           (params.schema.yaml's enum, params.yaml's comment and README's format table list the
-                          same names: tests/test_formats.py ties them to this registry)
+                          same names: tests/data/test_formats.py ties them to this registry)
     REASONS               every reason code a row's parse can end with: COMMON_REASONS, then each format's own
     detect_format(row)    the `auto` rule: formats by ascending auto_rank, the first whose detect(row) holds
     parse_row(row, fmt, options)   one row -> a validated Pair, or RowRejected

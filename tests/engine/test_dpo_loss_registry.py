@@ -181,7 +181,7 @@ def test_adding_a_loss_touches_one_code_file_and_reruns_train_dpo_only(tmp_path)
     changed = set(sh("git", "diff", "--name-only", cwd=repo).split())
     assert changed == {LOSSES_FILE, "workflow/schemas/params.schema.yaml", "params.yaml", "docs/DPO_LOSSES.md"}
     assert yaml.safe_load((repo / "params.yaml").read_text()) == before          # comments only: no DVC param moved
-    # dvc.yaml (generated from the rules, checked by tests/test_dag.py) is still the DAG's, and the only stage
+    # dvc.yaml (generated from the rules, checked by tests/workflow/test_dag.py) is still the DAG's, and the only stage
     # that lists a changed file as a dependency is train_dpo: evaluate and report follow from its outputs.
     sh(sys.executable, "workflow/sync_dvc.py", "--check", cwd=repo)
     dvc = yaml.safe_load((repo / "dvc.yaml").read_text())

@@ -12,8 +12,7 @@ import torch.distributed as dist
 from stages.engine.checkpoint import CheckpointError
 from stages.engine.settings import TrainConfigError
 from stages.lib.io import read_json
-from test_checkpoint import assert_identical_runs, checkpoint_at, ckpt_args
-from test_train import assets, stage_args, torchrun, write_params  # noqa: F401 - `assets` is a fixture
+from stage_helpers import assert_identical_runs, checkpoint_at, ckpt_args, stage_args, torchrun, write_train_params
 
 torch.set_num_threads(1)
 
@@ -30,7 +29,7 @@ def test_each_mode_checkpoints_and_resumes_bitwise(assets, mode):
     both probe files equal the uninterrupted run's bytes. The run learns (loss falls) and records its mode and
     memory plan."""
     from stages import train_rm
-    params = write_params(assets / "p.yaml", train={"save_every": 2, "keep_checkpoints": 4, **MODES[mode]})
+    params = write_train_params(assets / "p.yaml", train={"save_every": 2, "keep_checkpoints": 4, **MODES[mode]})
     full = train_rm.main(ckpt_args(assets, "full", params, assets / "ck"))
     assert full["settings"]["optimizer"]["state"] == MODES[mode]["optimizer"]["state"]
     plan = full["memory_plan"]
@@ -45,11 +44,11 @@ def test_each_mode_checkpoints_and_resumes_bitwise(assets, mode):
 
 def test_resuming_with_another_mode_is_refused_naming_both(assets):
     from stages import train_rm
-    params = write_params(assets / "p.yaml", train={"save_every": 2, "epochs": 1, **MODES["bf16_sr_8bit"]})
+    params = write_train_params(assets / "p.yaml", train={"save_every": 2, "epochs": 1, **MODES["bf16_sr_8bit"]})
     train_rm.main(ckpt_args(assets, "a", params, assets / "ck"))
     ckpt = checkpoint_at(assets / "ck", 2)
     for other, name in (({"precision": "bf16"}, "exact"), (MODES["fp32_master_8bit_bf16"], "fp32_master_8bit")):
-        p2 = write_params(assets / f"{name}.yaml", train={"save_every": 2, "epochs": 1, **other})
+        p2 = write_train_params(assets / f"{name}.yaml", train={"save_every": 2, "epochs": 1, **other})
         with pytest.raises(SystemExit, match="train_rm: refused: ") as e:
             train_rm.main(ckpt_args(assets, "b", p2, resume=ckpt))
         assert isinstance(e.value.__cause__, CheckpointError)
@@ -66,7 +65,7 @@ def test_resuming_with_another_mode_is_refused_naming_both(assets):
 ])
 def test_what_a_mode_cannot_do_is_refused_before_the_model_is_read(assets, train, match):
     from stages import train_rm
-    params = write_params(assets / "p.yaml", train=train)
+    params = write_train_params(assets / "p.yaml", train=train)
     (assets / "model" / "model.safetensors").rename(assets / "hidden.safetensors")   # never read
     with pytest.raises(SystemExit, match="train_rm: refused: .*" + match) as e:
         train_rm.main(stage_args(assets, "--out-dir", assets / "x", params))
@@ -81,7 +80,7 @@ def test_fused_backward_equals_the_step_after_backward(assets, state):
     from stages import train_rm
     out = {}
     for fused in (False, True):
-        params = write_params(assets / f"p{fused}.yaml", train={
+        params = write_train_params(assets / f"p{fused}.yaml", train={
             "max_grad_norm": 0.0, "micro_batch_tokens": 4096, "precision": "bf16",
             "optimizer": {"state": state, "fused_backward": fused}})
         info = train_rm.main(stage_args(assets, "--out-dir", assets / f"run{fused}", params))
@@ -101,7 +100,7 @@ def test_checkpointing_some_layers_changes_no_bit_and_counts_them(assets):
     flags = [m.gradient_checkpointing for m in hf.model.layers]
     assert flags == [True, False]
     for ac in (False, 1, True, "auto"):
-        params = write_params(assets / f"p{ac}.yaml", train={"activation_checkpointing": ac})
+        params = write_train_params(assets / f"p{ac}.yaml", train={"activation_checkpointing": ac})
         info = train_rm.main(stage_args(assets, "--out-dir", assets / f"ac{ac}", params))
         assert info["memory_plan"]["checkpointed_layers"] == (2 if ac is True else 0 if ac == "auto" else int(ac))
         assert info["settings"]["activation_checkpointing"] == ac
@@ -124,9 +123,9 @@ def test_two_processes_train_each_mode_like_one(assets, parallel, mode):
     one-process run's (the world size is part of the result: gradients are reduced in another order, and 8-bit
     codes or stochastic rounding may then fall the other way, so within a tolerance, not bitwise), and an
     FSDP2 run resumes from its sharded (DCP) checkpoint with the same bytes as when uninterrupted."""
-    params = write_params(assets / "p.yaml", train={"parallel": parallel, "save_every": 2, "keep_checkpoints": 4,
+    params = write_train_params(assets / "p.yaml", train={"parallel": parallel, "save_every": 2, "keep_checkpoints": 4,
                                                     **MODES[mode]})
-    one = write_params(assets / "p1.yaml", train={"parallel": "ddp", **MODES[mode]})
+    one = write_train_params(assets / "p1.yaml", train={"parallel": "ddp", **MODES[mode]})
     torchrun(1, "stages.train_rm", stage_args(assets, "--out-dir", assets / "one", one))
     torchrun(2, "stages.train_rm", ckpt_args(assets, "two", params, assets / "ck"))
     info = read_json(assets / "two/run_info.json")
@@ -149,9 +148,9 @@ def test_lora_trains_and_resumes_bitwise_in_the_low_bit_modes(assets, mode):
     curve follows the exact state's on the same adapters (measured within 1e-3: 0.4997 vs 0.4999 at the end) and
     falls; a resume from its checkpoint (trainable state only) equals the whole run."""
     from stages import train_rm
-    exact = write_params(assets / "exact.yaml", train={"adapter": LORA, "lr": 1e-2, "precision": "bf16"})
+    exact = write_train_params(assets / "exact.yaml", train={"adapter": LORA, "lr": 1e-2, "precision": "bf16"})
     train_rm.main(stage_args(assets, "--out-dir", assets / "exact", exact))
-    params = write_params(assets / "p.yaml", train={"save_every": 2, "keep_checkpoints": 4, "adapter": LORA,
+    params = write_train_params(assets / "p.yaml", train={"save_every": 2, "keep_checkpoints": 4, "adapter": LORA,
                                                     "lr": 1e-2, **MODES[mode]})
     full = train_rm.main(ckpt_args(assets, "full", params, assets / "ck"))
     assert full["adapter"]["trainable_parameters"] == full["memory_plan"]["trainable"]
@@ -178,7 +177,7 @@ def _trained_one_step(assets, objective: str, train: dict):
     from stages.engine.settings import TrainSettings
     from stages.engine.steps import make_steps
     from stages.lib.params import load_params
-    params = load_params(write_params(assets / f"{objective}.yaml", train=train, dpo={"objective": "dpo_ref_free"}))
+    params = load_params(write_train_params(assets / f"{objective}.yaml", train=train, dpo={"objective": "dpo_ref_free"}))
     settings = TrainSettings.from_params(params)
     env = init_distributed(settings)
     train_pairs, probe_pairs = load_stage_tokens(assets / "model", assets / "train.parquet", assets / "probe.parquet")

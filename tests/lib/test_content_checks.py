@@ -22,7 +22,7 @@ import torch.distributed as dist
 from engine_helpers import VOCAB, random_rows, token_row, write_token_parquet
 from stages.lib.contracts import TOKENS_SCHEMA, token_hash, token_hash_problem, token_hashes_of
 from stages.lib.io import VALUES_DIGEST_KEY, CorruptFileError, read_parquet
-from test_train import assets, stage_args, write_params  # noqa: F401 - `assets` is a fixture
+from stage_helpers import stage_args, write_train_params
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -108,7 +108,7 @@ def test_a_changed_token_id_is_refused_by_every_stage_that_reads_the_table(asset
     from stages import evaluate, ref_logps, train_dpo, train_rm
     from stages.engine.packing import TokenDataError, load_token_pairs
 
-    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    params = write_train_params(assets / "p.yaml", train={"epochs": 1})
     pid = _rewrite_with_changed_id(assets / "train.parquet", 17)
     where = rf"{assets / 'train.parquet'}: row 17 \(pair {pid}\): token_hash .* is not the hash of the row's ids"
     with pytest.raises(TokenDataError, match=where):
@@ -123,14 +123,14 @@ def test_a_changed_token_id_is_refused_by_every_stage_that_reads_the_table(asset
 
     # evaluate reads the probe's ids (to name a chosen/rejected swap): the same check.
     from synthetic_probe import write_all
-    from test_evaluate import _run_cli, base_params
-    eval_params = base_params(bootstrap_replicates=100)
+    from stage_helpers import evaluate_params, run_evaluate_cli
+    eval_params = evaluate_params(bootstrap_replicates=100)
     write_all(tmp_path, eval_params)
     probe_tokens = tmp_path / "results/tokens/probe_tokens.parquet"
     pid = _rewrite_with_changed_id(probe_tokens, 5)
     with pytest.raises(SystemExit, match=rf"evaluate: refused: .*probe_tokens\.parquet: row 5 \(pair {pid}\): "
                                          "token_hash"):
-        _run_cli(tmp_path, eval_params, "x")
+        run_evaluate_cli(tmp_path, eval_params, "x")
     assert not (tmp_path / "x/metrics").exists()
 
 
@@ -151,7 +151,7 @@ def test_a_bit_flipped_in_a_page_is_refused_not_read(tmp_path):
 def test_a_flipped_token_table_is_one_refusal_line(assets):
     """The issue's tokens scenario: one bit of train tokens flipped; training refuses instead of training on it."""
     from stages import train_rm
-    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    params = write_train_params(assets / "p.yaml", train={"epochs": 1})
     def in_vocabulary(table: pa.Table) -> bool:
         ids = [pa.compute.list_flatten(table.column(c)).to_numpy() for c in ("chosen_ids", "rejected_ids")]
         return all(((x >= 0) & (x < VOCAB)).all() for x in ids)
@@ -167,7 +167,7 @@ def test_ref_logps_flips_in_pages_and_footer_are_refused(assets):
     (the values digest: the CRCs do not cover the footer, where flips rename columns, retype them or drop rows)."""
     from stages import ref_logps, train_dpo
     from stages.lib.ref_logps_table import read_ref_logps
-    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    params = write_train_params(assets / "p.yaml", train={"epochs": 1})
     ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
     good = (assets / "ref.parquet").read_bytes()
     assert VALUES_DIGEST_KEY.encode() in pq.ParquetFile(assets / "ref.parquet").metadata.metadata

@@ -1,5 +1,5 @@
 """GPU-only checks (marked `gpu`, skipped without CUDA; run through the device tool):
-    python -m pytest -q -m gpu tests/test_gpu.py
+    python -m pytest -q -m gpu tests/engine/test_gpu.py
 The fast path's kernels and the shared-prompt layout on real CUDA kernels, in bf16."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import torch
 import torch.nn.functional as F
 
 from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
-from test_train import assets  # noqa: F401 - the tiny model + toy task fixture of the stage tests
 from stages.engine.modeling import USED_BACKENDS, SequenceLogProbs, load_causal_lm, packed_attention_forward
 from stages.engine.packing import build_packed_batch, load_token_pairs
 from stages.engine.data import model_inputs
@@ -70,7 +69,7 @@ def test_cuda_graph_training_matches_eager_training(assets, objective, precision
     import pandas as pd
     from stages import ref_logps, train_dpo, train_rm
     from stages.lib.io import read_jsonl
-    from test_train import stage_args, write_params
+    from stage_helpers import stage_args, write_train_params as write_params
     tmp_path = assets
     runs = {}
     for graphs in (0, 8):
@@ -199,7 +198,7 @@ def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
 
 def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():
     """The low-bit modes' flat Triton kernel against LowBitAdamW's torch ops on CUDA (the interpreter check of
-    tests/test_kernels.py, on the GPU's own rounding: FMA contraction, round-to-nearest bf16)."""
+    tests/engine/test_kernels.py, on the GPU's own rounding: FMA contraction, round-to-nearest bf16)."""
     from triton_interpret_checks import check_flat_lowbit
     check_flat_lowbit("cuda")
 
@@ -252,8 +251,7 @@ def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     import numpy as np
     import pandas as pd
     from stages.lib.io import read_jsonl
-    from test_checkpoint import checkpoint_at, ckpt_args
-    from test_train import write_params
+    from stage_helpers import checkpoint_at, ckpt_args, write_train_params as write_params
     tmp_path = assets
     params = write_params(tmp_path / "p.yaml", dpo={"objective": "dpo_ref_free"},
                           train={"gpus": 1, "precision": "bf16", "cuda_graphs": 8, "save_every": 2,
@@ -282,7 +280,7 @@ def test_memory_plan_bounds_the_measured_peak_on_gpu(tmp_path, state):
     (weights, gradients, masters, moments), and within the plan minus its fixed 1 GiB margin plus 25%."""
     import json
     from stages import train_rm
-    from test_train import write_params
+    from stage_helpers import write_train_params as write_params
     from engine_helpers import toy_task_rows
     model_dir = tmp_path / "m"
     from transformers import AutoModelForCausalLM, Qwen2Config

@@ -1,6 +1,6 @@
 """stages.normalize: readers, provenance, duplicates, accounting, real HH-RLHF, globs and shards, the streaming
-writer, the CLI. Each format's rows: tests/test_format_<name>.py; the registry and the shared rules:
-tests/test_formats.py."""
+writer, the CLI. Each format's rows: tests/data/test_format_<name>.py; the registry and the shared rules:
+tests/data/test_formats.py."""
 from __future__ import annotations
 
 import gzip
@@ -23,7 +23,7 @@ from stages.data.formats import parse_row
 from stages.data.sources import SourceError, default_source_name, iter_source_rows, resolve_sources, source_paths
 from stages.normalize import REASONS, main, normalize_sources
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT
 
 
 HH_ROW = {"chosen": "\n\nHuman: Hi\n\nAssistant: Hello!\n\nHuman: Capital of France?\n\nAssistant: Paris.",
@@ -531,7 +531,7 @@ def test_streaming_jsonl_lines_match_the_whole_file_split(data, tmp_path):
 def test_the_streaming_writer_gives_the_same_bytes_for_any_piece_size(hh_rlhf_path, tmp_path, monkeypatch):
     """normalize_to_files, the stage's one path: pieces of 64, 1000 or 4096 rows (stages/data/spill.py) give the
     same bytes, and the files hold what the reader finds, pairs sorted by pair_id, rejections in read order. (The
-    default pipeline's bytes are the committed record: tests/test_pipeline_e2e.py.)"""
+    default pipeline's bytes are the committed record: tests/workflow/test_pipeline_e2e.py.)"""
     import stages.data.spill as spill
     import stages.lib.io as io
     from stages.lib.io import read_parquet

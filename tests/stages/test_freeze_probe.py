@@ -12,38 +12,12 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from data_helpers import embedded_identity
+from conftest import REPO_ROOT
+from data_helpers import bot, embedded_identity, leaky_rows, pairs_table, user, write_probe_params
 from stages.embedded_data import build_rows
 from stages.freeze_probe import LEAK, ProbeError, freeze_probe, probe_digest, prompt_key, selection_rank
+from stages.lib.contracts import PAIRS_SCHEMA
 from stages.lib.io import read_json, read_parquet, sha256_file, sha256_json, write_parquet
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-MESSAGES = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
-PAIRS_SCHEMA = pa.schema([
-    ("pair_id", pa.string()), ("content_hash", pa.string()), ("source", pa.string()),
-    ("prompt", MESSAGES), ("chosen", MESSAGES), ("rejected", MESSAGES), ("margin", pa.float64()),
-    ("src_file", pa.string()), ("src_row", pa.int64()),
-])
-
-
-def pairs_table(rows: list[dict], source: str = "test") -> pa.Table:
-    """Rows {prompt, chosen, rejected} -> a pairs.parquet table in the normalize contract's schema."""
-    records = []
-    for i, r in enumerate(rows):
-        content = {"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]}
-        h = sha256_json(content)
-        records.append({"pair_id": h[:24], "content_hash": h, "source": source, **content,
-                        "margin": None, "src_file": f"{source}.jsonl", "src_row": i})
-    records.sort(key=lambda r: r["pair_id"])
-    return pa.Table.from_pylist(records, schema=PAIRS_SCHEMA)
-
-
-def user(text: str) -> list[dict]:
-    return [{"role": "user", "content": text}]
-
-
-def bot(text: str) -> list[dict]:
-    return [{"role": "assistant", "content": text}]
 
 
 def shuffled(table: pa.Table, seed: int) -> pa.Table:
@@ -55,18 +29,6 @@ def shuffled(table: pa.Table, seed: int) -> pa.Table:
 @pytest.fixture(scope="module")
 def embedded_pairs() -> pa.Table:
     return pairs_table(build_rows(), source="embedded")
-
-
-def leaky_rows() -> list[dict]:
-    """60 prompts, most with several pairs; some repeats differ only in whitespace."""
-    rows = []
-    for p in range(60):
-        for k in range(1 + p % 4):
-            text = f"Question {p}: what is   the answer?" if k == 2 else f"Question {p}: what is the answer?"
-            if k == 3:
-                text = f"  Question {p}:\nwhat is the answer? "
-            rows.append({"prompt": user(text), "chosen": bot(f"Answer {p}."), "rejected": bot(f"Wrong {p} {k}.")})
-    return rows
 
 
 # ==================================================================================================
@@ -183,14 +145,6 @@ def test_missing_column_is_refused():
 # ==================================================================================================
 
 
-def write_params(tmp_path: Path, size: int, seed: int) -> Path:
-    params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
-    params["probe"] = {"size": size, "seed": seed}
-    path = tmp_path / "params.yaml"
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
 def run_cli(tmp_path: Path, params: Path, pairs: Path, out: str) -> subprocess.CompletedProcess:
     d = tmp_path / out
     identity = tmp_path / "ref_identity.json"
@@ -206,7 +160,7 @@ def test_cli_end_to_end(tmp_path):
     table = pairs_table(leaky_rows())
     pairs = tmp_path / "pairs.parquet"
     write_parquet(pairs, table)
-    params = write_params(tmp_path, size=20, seed=11)
+    params = write_probe_params(tmp_path, size=20, seed=11)
 
     first = run_cli(tmp_path, params, pairs, "a")
     assert first.returncode == 0, first.stderr
@@ -233,7 +187,7 @@ def test_cli_end_to_end(tmp_path):
 def test_cli_too_few_prompts_fails_clearly(tmp_path):
     pairs = tmp_path / "pairs.parquet"
     write_parquet(pairs, pairs_table(leaky_rows()))
-    result = run_cli(tmp_path, write_params(tmp_path, size=512, seed=0), pairs, "out")
+    result = run_cli(tmp_path, write_probe_params(tmp_path, size=512, seed=0), pairs, "out")
     assert result.returncode != 0
     assert "60 distinct prompts (150 pairs) but probe.size is 512" in result.stderr
     assert not (tmp_path / "out" / "probe_manifest.json").exists()

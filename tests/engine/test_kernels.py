@@ -1,32 +1,20 @@
 """The fused kernels (stages/engine/kernels.py) and their routing (modeling.use_fused_kernels).
 
 On CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1, in a subprocess so this process's
-kernels stay compiled-for-GPU); tests/test_gpu.py runs the same checks on CUDA in bf16."""
+kernels stay compiled-for-GPU); tests/engine/test_gpu.py runs the same checks on CUDA in bf16."""
 from __future__ import annotations
 
 import importlib.util
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
+from engine_helpers import interpret, make_tiny_model_dir, random_rows, write_token_parquet
 from stages.engine.modeling import SequenceLogProbs, load_causal_lm, load_reward_model
 from stages.engine.packing import build_packed_batch, load_token_pairs
 from stages.engine.data import model_inputs
 
-CHECKS = Path(__file__).resolve().parent / "triton_interpret_checks.py"
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-
-
-def interpret(*args: str) -> str:
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    r = subprocess.run([sys.executable, str(CHECKS), *args], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    return r.stdout
 
 
 @needs_triton

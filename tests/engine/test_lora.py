@@ -17,11 +17,10 @@ import yaml
 from engine_helpers import pair_seqs, reference_seq_logps
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl
-from test_checkpoint import checkpoint_at, ckpt_args
-from test_train import assets, stage_args, torchrun, write_params  # noqa: F401 (fixture)
+from conftest import REPO_ROOT as REPO
+from stage_helpers import checkpoint_at, ckpt_args, stage_args, torchrun, write_train_params as write_params
 
 torch.set_num_threads(1)
-REPO = Path(__file__).resolve().parents[1]
 ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -278,14 +277,14 @@ def test_lora_in_bf16_precision_trains_and_merges_into_the_fp32_base(assets):
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_fused_kernel_routing_keeps_the_adapters(tmp_path):
     """The CUDA routing (q|k|v and gate|up as one GEMM, rotary and silu-mul kernels; run by Triton's interpreter
-    on CPU, tests/test_kernels.py) with LoRA on every linear layer equals the plain CPU run: the q|k|v GEMM runs
+    on CPU, tests/engine/test_kernels.py) with LoRA on every linear layer equals the plain CPU run: the q|k|v GEMM runs
     on the base layers under lora.Linear, and gate|up is not grouped (a lora.Linear's .weight is its base
     weight: one GEMM over it would drop the adapter)."""
     from engine_helpers import make_tiny_model_dir, random_rows, write_token_parquet
     from stages.engine.data import model_inputs
     from stages.engine.modeling import SequenceLogProbs
     from stages.engine.packing import build_packed_batch, load_token_pairs
-    from test_kernels import interpret
+    from engine_helpers import interpret
     from triton_interpret_checks import lora_model
     model_dir = make_tiny_model_dir(tmp_path / "m")
     parquet = write_token_parquet(tmp_path / "t.parquet", random_rows(2, seed=4))     # interpreted kernels: slow

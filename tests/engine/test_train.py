@@ -4,11 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +15,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import yaml
 
-from engine_helpers import (make_tiny_model_dir, pair_seqs, reference_rm_scores, reference_seq_logps,
-                            toy_task_rows, train_settings, write_token_parquet)
+from conftest import REPO_ROOT as REPO
+from engine_helpers import pair_seqs, reference_rm_scores, reference_seq_logps, train_settings
 from stages.engine.optim import lr_factor
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl, read_parquet
@@ -29,56 +25,9 @@ from stages.engine.objectives import tie_aware_accuracy
 from stages.engine.reward_objective import reward_pair_losses
 from stages.lib.ref_logps_table import RefLogpsError, ref_logps_for, ref_logps_table
 from stages.engine.packing import load_token_pairs, plan_training
+from stage_helpers import assert_same_training, stage_args, torchrun, write_train_params
 
-REPO = Path(__file__).resolve().parents[1]
 torch.set_num_threads(1)   # tiny models: extra intra-op threads only contend on a shared machine
-
-
-# ----------------------------------------------------------------------------------------------
-# Assets
-# ----------------------------------------------------------------------------------------------
-
-def write_params(path: Path, train: dict | None = None, dpo: dict | None = None, rm: dict | None = None) -> Path:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["train"].update({"gpus": 0, "epochs": 2, "global_batch_pairs": 16, "micro_batch_tokens": 160,
-                            "inference_micro_batch_tokens": 160,
-                            "lr": 3e-3, "warmup_ratio": 0.1, "logp_chunk_tokens": 32, "seed": 5, **(train or {})})
-    params["dpo"].update(dpo or {})
-    params["rm"].update(rm or {})
-    path.write_text(yaml.safe_dump(params))
-    return path
-
-
-@pytest.fixture
-def assets(tmp_path):
-    """A tiny Qwen2 model and a learnable toy preference task (37 probe pairs: the last chunk is partial)."""
-    make_tiny_model_dir(tmp_path / "model")
-    write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
-    write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
-    return tmp_path
-
-
-def stage_args(a: Path, out_flag: str, out: Path, params: Path) -> list[str]:
-    return ["--params", str(params), "--model-dir", str(a / "model"), "--train-tokens", str(a / "train.parquet"),
-            "--probe-tokens", str(a / "probe.parquet"), out_flag, str(out), "--log", str(out) + ".log",
-            "--perf", str(out) + ".perf.json"]
-
-
-def torchrun(nproc: int, module: str, args: list[str], timeout: int = 240) -> None:
-    # --standalone: a private rendezvous on a free port. `--` keeps torchrun's own parser away from
-    # our flags (`--log` is an ambiguous prefix of its --log-dir).
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-           "-m", module, "--", *args]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        _, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)      # the launcher and its workers, nothing else
-        _, err = proc.communicate()
-        pytest.fail(f"torchrun {module} timed out after {timeout}s:\n{err[-4000:]}")
-    assert proc.returncode == 0, err[-4000:]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,7 +84,7 @@ def test_train_settings_take_the_schema_as_their_only_definition():
 
 
 def test_temperature_other_than_one_is_refused_before_anything_is_built(assets):
-    params = write_params(assets / "p.yaml", train={"temperature": 0.7})
+    params = write_train_params(assets / "p.yaml", train={"temperature": 0.7})
     with pytest.raises(TrainConfigError, match="temperature = 0.7"):
         TrainSettings.from_params(yaml.safe_load(params.read_text()))
     from stages import train_dpo
@@ -178,7 +127,7 @@ def grad_norm(model) -> float:
 def test_dpo_first_step_loss_grad_norm_and_ref_logps_match_independent_implementation(assets):
     from transformers import AutoModelForCausalLM
     from stages import ref_logps, train_dpo
-    params = write_params(assets / "p.yaml", dpo={"objective": "dpo_ref_free", "beta": 0.5})
+    params = write_train_params(assets / "p.yaml", dpo={"objective": "dpo_ref_free", "beta": 0.5})
     ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
     out = assets / "dpo"
     train_dpo.main(stage_args(assets, "--out-dir", out, params))
@@ -226,7 +175,7 @@ def test_rm_first_step_loss_and_grad_norm_match_independent_implementation(asset
     from transformers import AutoModelForSequenceClassification
     from stages import train_rm
     from stages.engine.modeling import load_reward_model
-    params = write_params(assets / "p.yaml", rm={"center_rewards_coefficient": 0.05})
+    params = write_train_params(assets / "p.yaml", rm={"center_rewards_coefficient": 0.05})
     out = assets / "rm"
     train_rm.main(stage_args(assets, "--out-dir", out, params))
 
@@ -256,7 +205,7 @@ def test_rm_first_step_loss_and_grad_norm_match_independent_implementation(asset
 
 def test_training_is_deterministic_on_cpu(assets):
     from stages import train_rm
-    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    params = write_train_params(assets / "p.yaml", train={"epochs": 1})
     for name in ("a", "b"):
         train_rm.main(stage_args(assets, "--out-dir", assets / name, params))
     for f in ("probe_final.jsonl", "model/model.safetensors", "model/config.json"):
@@ -273,7 +222,7 @@ def test_non_finite_model_fails_fast(assets):
     weights["model.norm.weight"][3] = float("nan")
     save_file(weights, assets / "model" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(RuntimeError, match="non-finite"):
-        train_rm.main(stage_args(assets, "--out-dir", assets / "rm", write_params(assets / "p.yaml")))
+        train_rm.main(stage_args(assets, "--out-dir", assets / "rm", write_train_params(assets / "p.yaml")))
     assert not (assets / "rm" / "model").exists()
     assert not dist.is_initialized()
 
@@ -281,17 +230,6 @@ def test_non_finite_model_fails_fast(assets):
 # ----------------------------------------------------------------------------------------------
 # Real torchrun (gloo on CPU)
 # ----------------------------------------------------------------------------------------------
-
-def assert_same_training(a: Path, b: Path, atol: float = 1e-6) -> None:
-    la, lb = pd.read_csv(a / "train_log.csv"), pd.read_csv(b / "train_log.csv")
-    assert len(la) == len(lb) > 1
-    np.testing.assert_allclose(la.loss, lb.loss, rtol=0, atol=atol)
-    from safetensors.torch import load_file
-    wa, wb = load_file(a / "model/model.safetensors"), load_file(b / "model/model.safetensors")
-    assert sorted(wa) == sorted(wb)
-    for k in wa:
-        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=atol, msg=k)
-
 
 def assert_probe_rows(path: Path, probe: Path, keys: set[str]) -> list[dict]:
     rows = read_jsonl(path)
@@ -312,7 +250,7 @@ RM_KEYS = {"pair_id", "index", "token_hash", "chosen_score", "rejected_score", "
 
 @pytest.mark.slow
 def test_dpo_under_torchrun_dp2_equals_dp1_and_learns(assets):
-    params = write_params(assets / "p.yaml", train={"lr": 1e-3})
+    params = write_train_params(assets / "p.yaml", train={"lr": 1e-3})
     torchrun(2, "stages.ref_logps", stage_args(assets, "--out", assets / "ref.parquet", params))
     ref_args = ["--ref-logps", str(assets / "ref.parquet")]
     for n in (1, 2):
@@ -320,7 +258,7 @@ def test_dpo_under_torchrun_dp2_equals_dp1_and_learns(assets):
     assert_same_training(assets / "dp1", assets / "dp2")
 
     # Longer and hotter, so the tiny policy visibly learns the toy preference.
-    hot = write_params(assets / "hot.yaml", train={"lr": 1e-2, "epochs": 4})
+    hot = write_train_params(assets / "hot.yaml", train={"lr": 1e-2, "epochs": 4})
     torchrun(2, "stages.train_dpo", stage_args(assets, "--out-dir", assets / "hot", hot) + ref_args)
     step0 = assert_probe_rows(assets / "hot/probe_step0.jsonl", assets / "probe.parquet", DPO_KEYS)
     final = assert_probe_rows(assets / "hot/probe_final.jsonl", assets / "probe.parquet", DPO_KEYS)
@@ -345,8 +283,8 @@ def test_dpo_under_torchrun_dp2_equals_dp1_and_learns(assets):
 
 @pytest.mark.slow
 def test_rm_under_torchrun_dp2_equals_dp1_and_fsdp2_and_learns(assets):
-    params = write_params(assets / "p.yaml", train={"lr": 1e-3})
-    fsdp = write_params(assets / "fsdp.yaml", train={"lr": 1e-3, "parallel": "fsdp2"})
+    params = write_train_params(assets / "p.yaml", train={"lr": 1e-3})
+    fsdp = write_train_params(assets / "fsdp.yaml", train={"lr": 1e-3, "parallel": "fsdp2"})
     for n, p, name in ((1, params, "dp1"), (2, params, "dp2"), (2, fsdp, "fsdp2")):
         torchrun(n, "stages.train_rm", stage_args(assets, "--out-dir", assets / name, p))
     assert_same_training(assets / "dp1", assets / "dp2")
@@ -405,7 +343,7 @@ def test_master_weights_keep_updates_that_pure_bf16_loses_and_round_trip_exactly
 def test_dpo_in_bf16_precision_ties_at_step0_learns_and_exports_fp32_masters(assets):
     from safetensors.torch import load_file
     from stages import ref_logps, train_dpo
-    params = write_params(assets / "p.yaml", train={"precision": "bf16", "epochs": 2})
+    params = write_train_params(assets / "p.yaml", train={"precision": "bf16", "epochs": 2})
     ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
     out = assets / "dpo"
     train_dpo.main([*stage_args(assets, "--out-dir", out, params), "--ref-logps", str(assets / "ref.parquet")])
@@ -424,7 +362,7 @@ def test_dpo_in_bf16_precision_ties_at_step0_learns_and_exports_fp32_masters(ass
 def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
     """precision bf16 under FSDP2: the fp32 shards are the masters, MixedPrecisionPolicy computes in bf16."""
     from safetensors.torch import load_file
-    params = write_params(assets / "p.yaml", train={"precision": "bf16", "parallel": "fsdp2", "epochs": 1})
+    params = write_train_params(assets / "p.yaml", train={"precision": "bf16", "parallel": "fsdp2", "epochs": 1})
     torchrun(2, "stages.train_rm", stage_args(assets, "--out-dir", assets / "rm", params))
     info = json.loads((assets / "rm" / "run_info.json").read_text())
     assert info["world_size"] == 2 and info["settings"]["precision"] == "bf16"
@@ -435,7 +373,7 @@ def test_fsdp2_bf16_mixed_precision_trains_and_exports_fp32(assets):
 
 
 # ----------------------------------------------------------------------------------------------
-# The CUDA-graph step's optimizer body (capture itself is tested on a GPU: tests/test_gpu.py)
+# The CUDA-graph step's optimizer body (capture itself is tested on a GPU: tests/engine/test_gpu.py)
 # ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("adapter", [False, True], ids=["full", "lora"])

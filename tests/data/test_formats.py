@@ -1,7 +1,7 @@
 """The format registry (stages/data/formats/__init__.py): discovery, `auto`, the conversation rules every format
 shares (stages/data/messages.py), declared reason codes, and the format lists users read tied to the registry.
 
-Each format's own rows are tested in tests/test_format_<name>.py."""
+Each format's own rows are tested in tests/data/test_format_<name>.py."""
 from __future__ import annotations
 
 import re
@@ -102,9 +102,9 @@ def test_bad_row_is_rejected_with_exact_reason(row, reason):
 
 
 def test_every_common_reason_code_is_exercised():
-    # `json` is the reader's (tests/test_normalize.py: bad JSON lines)
+    # `json` is the reader's (tests/stages/test_normalize.py: bad JSON lines)
     assert {r for _, r in BAD_ROWS} | {"json"} == set(COMMON_REASONS)
-    # then each format's own, once (each format's test exercises them: tests/test_format_<name>.py)
+    # then each format's own, once (each format's test exercises them: tests/data/test_format_<name>.py)
     assert REASONS[:len(COMMON_REASONS)] == COMMON_REASONS and len(set(REASONS)) == len(REASONS)
     assert set(REASONS) == set(COMMON_REASONS).union(*(f.reasons for f in FORMATS.values())) >= {"margin"}
 

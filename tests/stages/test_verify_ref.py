@@ -27,7 +27,7 @@ from stages.lib.io import GIT_SHA1, MD5, SHA256, hash_bytes, hash_file, sha256_f
 from stages.lib.reference import LOCK_NAME, RefIdentityError, hash_files, identity_digest, load_verified_dir
 from stages.verify_ref import verify_reference
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT
 REV = hashlib.sha1(b"pinned commit").hexdigest()
 OTHER_REV = hashlib.sha1(b"another commit").hexdigest()
 META = ".cache/huggingface/download"

@@ -9,7 +9,6 @@ all on them; on the loss's own reward the probe accuracy moves where the loss mo
 from __future__ import annotations
 
 import copy
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -24,7 +23,7 @@ from stages.lib.implicit_reward import MEAN_REWARD, implicit_reward
 from stages.lib.io import read_jsonl
 from synthetic_probe import dpo_rows, make_probe
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT as REPO
 torch.set_num_threads(1)
 
 

@@ -14,13 +14,12 @@ import pyarrow as pa
 import pytest
 import yaml
 
-from data_helpers import embedded_identity
+from conftest import REPO_ROOT
+from data_helpers import embedded_identity, leaky_rows, pairs_table, write_probe_params
 from stages.lib.cli import StageRefused, one_line, refuse, stage_main
+from stages.lib.contracts import PAIRS_SCHEMA
 from stages.lib.io import write_parquet
 from stages.lib.params import ParamsError
-from test_freeze_probe import PAIRS_SCHEMA, leaky_rows, pairs_table, write_params
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_stage(module: str, *args, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -58,7 +57,7 @@ def freeze_probe_args(tmp_path: Path, params: Path, pairs: Path) -> list:
 def test_freeze_probe_too_few_prompts_and_a_bad_row_are_one_line_refusals(tmp_path):
     pairs = tmp_path / "pairs.parquet"
     write_parquet(pairs, pairs_table(leaky_rows()))
-    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 512, 0), pairs))
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_probe_params(tmp_path, 512, 0), pairs))
     assert_refused(r, "freeze_probe", "60 distinct prompts (150 pairs) but probe.size is 512",
                    log=tmp_path / "freeze_probe.log")
     assert not (tmp_path / "o").exists()
@@ -66,12 +65,12 @@ def test_freeze_probe_too_few_prompts_and_a_bad_row_are_one_line_refusals(tmp_pa
     rows = pairs_table(leaky_rows()).to_pylist()
     rows[7]["chosen"] = [{"role": "assistant", "content": "edited after hashing"}]
     write_parquet(pairs, pa.Table.from_pylist(rows, schema=PAIRS_SCHEMA))
-    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), pairs))
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_probe_params(tmp_path, 20, 0), pairs))
     assert_refused(r, "freeze_probe", str(pairs), "row 7", "content_hash", log=tmp_path / "freeze_probe.log")
 
 
 def test_a_missing_input_file_is_refused_not_a_traceback(tmp_path):
-    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), tmp_path / "nope.parquet"))
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_probe_params(tmp_path, 20, 0), tmp_path / "nope.parquet"))
     assert_refused(r, "freeze_probe", "nope.parquet", log=tmp_path / "freeze_probe.log")
 
 
@@ -80,7 +79,7 @@ def test_a_bug_keeps_its_traceback(tmp_path):
     # Messages stored as plain strings: the stage's code meets a shape no check of it names (a TypeError).
     table = pairs_table(leaky_rows())
     write_parquet(pairs, table.set_column(3, "prompt", pa.array([str(m) for m in table.column("prompt").to_pylist()])))
-    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), pairs))
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_probe_params(tmp_path, 20, 0), pairs))
     assert r.returncode == 1 and "Traceback" in r.stderr and "TypeError" in r.stderr and "refused" not in r.stderr
 
 
@@ -88,7 +87,7 @@ def test_a_damaged_parquet_is_refused_naming_it(tmp_path):
     """Not parquet (a truncated or overwritten file) where a parquet artifact is read: one refusal line naming it."""
     pairs = tmp_path / "pairs.parquet"
     pairs.write_text("not parquet")
-    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), pairs))
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_probe_params(tmp_path, 20, 0), pairs))
     assert_refused(r, "freeze_probe", f"{pairs}: unreadable parquet file", log=tmp_path / "freeze_probe.log")
 
 
@@ -121,7 +120,7 @@ def test_evaluate_refuses_a_misshapen_probe_manifest(tmp_path):
 
 def test_under_torchrun_only_rank_0_prints_the_refusal(tmp_path):
     # RANK as torchrun sets it: rank 1 exits 1 too, silently; the refusal line and the log file are rank 0's.
-    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_params(tmp_path, 20, 0), tmp_path / "nope.parquet"),
+    r = run_stage("freeze_probe", *freeze_probe_args(tmp_path, write_probe_params(tmp_path, 20, 0), tmp_path / "nope.parquet"),
                   env={"RANK": "1"})
     assert r.returncode == 1 and "refused" not in r.stderr and "Traceback" not in r.stderr, r.stderr[-3000:]
     assert not (tmp_path / "freeze_probe.log").exists()

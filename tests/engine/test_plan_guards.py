@@ -17,7 +17,7 @@ from stages.engine.settings import TrainConfigError
 from stages.lib.evidence import render_summary
 from stages.lib.training_plan import MIN_OPTIMIZER_STEPS
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT as REPO
 
 
 @pytest.mark.parametrize("n,epochs,batch", [(1, 1, 32), (6, 1, 32), (37, 2, 16), (64, 0.25, 16), (100, 1.5, 7),

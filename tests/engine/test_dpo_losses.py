@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import math
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -32,7 +31,7 @@ from stages.engine.packing import BatchDims, build_packed_batch, load_token_pair
 from stages.engine.padded_shapes import pad_packed_batch
 from stages.lib.params import ParamsError, load_params, validate_params
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT as REPO
 torch.set_num_threads(1)   # tiny tensors and model: extra intra-op threads only contend on a shared machine
 
 
@@ -192,7 +191,7 @@ def test_impossible_loss_settings_are_refused_by_the_stage(tmp_path, capsys, dpo
 
 
 def test_new_losses_keep_their_defining_properties():
-    """Checks from the papers' definitions (TRL parity: tests/test_trl_parity.py)."""
+    """Checks from the papers' definitions (TRL parity: tests/engine/test_trl_parity.py)."""
     g = torch.Generator().manual_seed(4)
     pc, pr, rc, rr = (-torch.rand(12, generator=g, dtype=torch.float64) * 40 for _ in range(4))
     n_c, n_r = torch.randint(1, 30, (2, 12), generator=g)

@@ -1,10 +1,12 @@
 """The Snakefile and dvc.yaml describe one DAG, and every rule follows the house rules."""
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -13,6 +15,7 @@ from conftest import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
 import sync_dvc  # noqa: E402
+from integrity import DAG_ONLY  # noqa: E402
 from code_deps import code_deps  # noqa: E402
 
 
@@ -23,12 +26,7 @@ def test_dvc_yaml_is_generated_from_the_snakefile():
 
 
 def test_check_mode_catches_a_hand_edit(tmp_path):
-    for name in ["Snakefile", "params.yaml", "dvc.yaml", "workflow", "stages", "data", "models", "requirements"]:
-        src = REPO_ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
-        elif src.exists():
-            shutil.copy2(src, tmp_path / name)
+    _copy_workflow(tmp_path, (*WORKFLOW_FILES, "dvc.yaml"))
     dvc = yaml.safe_load((tmp_path / "dvc.yaml").read_text())
     first = next(iter(dvc["stages"]))
     dvc["stages"][first]["cmd"] += " --extra"
@@ -39,7 +37,7 @@ def test_check_mode_catches_a_hand_edit(tmp_path):
     assert "out of date" in r.stderr and "--extra" in r.stderr
 
 
-def test_every_rule_logs_and_gpu_rules_launch_torchrun():
+def test_every_rule_logs_and_is_benchmarked():
     jobs, config = sync_dvc.snakemake_jobs()
     dvc = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
     assert [j["name"] for j in jobs] == list(dvc)
@@ -50,8 +48,85 @@ def test_every_rule_logs_and_gpu_rules_launch_torchrun():
         name = block.split(":", 1)[0]
         assert "\n    log:" in block, f"rule {name} has no log:"
         assert "\n    benchmark:" in block, f"rule {name} has no benchmark:"
-        if "gpu=" in block:
-            assert "torchrun --standalone --nproc-per-node {resources.nproc}" in block, f"GPU rule {name} does not launch torchrun"
+
+
+# What Snakemake reads to build the DAG.
+WORKFLOW_FILES = ("Snakefile", "params.yaml", "workflow", "stages", "data", "models", "requirements")
+
+
+def _copy_workflow(dst: Path, names=WORKFLOW_FILES) -> Path:
+    """`names` of the checkout copied to `dst` (so a test may edit params or rules there)."""
+    for name in names:
+        src = REPO_ROOT / name
+        if src.is_dir():
+            shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif src.exists():
+            shutil.copy2(src, dst / name)
+    return dst
+
+
+def _dry_run(root: Path, *args: str) -> dict[str, tuple[dict, str]]:
+    """rule -> (resources, shell command) of each job of a real `snakemake --dry-run --printshellcmds` of the DAG."""
+    r = subprocess.run(["snakemake", "--dry-run", "--printshellcmds", "--forceall", *args], cwd=root,
+                       env={**os.environ, DAG_ONLY: "1"}, capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    jobs = {}
+    for name, body in re.findall(r"^(?:local)?rule (\w+):\n(.*?)(?=^\[|^(?:local)?rule |^Job stats|\Z)", r.stdout,
+                                 re.M | re.S):
+        resources = re.search(r"^    resources: (.*)$", body, re.M)
+        shell = re.search(r"^Shell command: (.*)$", body, re.M)
+        jobs[name] = (dict(kv.split("=", 1) for kv in resources.group(1).split(", ")) if resources else {},
+                      shell.group(1) if shell else "")
+    return jobs
+
+
+# (params.yaml edits, snakemake's executor arguments): the committed CPU run, more CPU processes, one GPU node, and
+# two GPU nodes. GPU runs go through --executor slurm: a local dry run is refused on a machine without the GPUs
+# (workflow/preflight.py), while a Slurm submit host need not have them; a dry run submits nothing and needs no
+# Slurm installed.
+LAUNCH_VARIANTS = {
+    "committed_cpu": ({}, ["--cores", "1"]),
+    "cpu_procs_3": ({"train": {"cpu_procs": 3}}, ["--cores", "1"]),
+    "gpus_2": ({"train": {"gpus": 2, "cpu_procs": 3}}, ["--executor", "slurm", "--jobs", "1"]),
+    "gpus_2_nodes_2": ({"train": {"gpus": 2}, "slurm": {"nodes": 2}}, ["--executor", "slurm", "--jobs", "1"]),
+}
+
+
+@pytest.mark.parametrize("variant", LAUNCH_VARIANTS)
+def test_training_rules_launch_torchrun_with_the_resolved_process_count(tmp_path, variant):
+    """The rules of workflow/rules/train.smk run `torchrun` with one process per GPU (train.gpus), or
+    train.cpu_procs processes when train.gpus is 0, and ask Snakemake/Slurm for what they start; no other rule
+    starts torchrun. Checked on the command Snakemake really runs, for each variant's params."""
+    edits, executor = LAUNCH_VARIANTS[variant]
+    root = _copy_workflow(tmp_path)
+    params = yaml.safe_load((root / "params.yaml").read_text())
+    for section, values in edits.items():
+        params[section].update(values)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    gpus, nodes = params["train"]["gpus"], params["slurm"]["nodes"]
+    nproc = gpus if gpus > 0 else params["train"]["cpu_procs"]
+
+    jobs = _dry_run(root, *executor)
+    training = re.findall(r"^rule (\w+):", (REPO_ROOT / "workflow/rules/train.smk").read_text(), re.M)
+    assert set(training) == {"ref_logps", "train_dpo", "train_rm"} <= set(jobs), (training, sorted(jobs))
+    for name, (resources, shell) in jobs.items():
+        if name == "all":
+            continue
+        stage_args = f"-m stages.{name} -- --params params.yaml "
+        if name not in training:
+            assert "torchrun" not in shell and shell.startswith(f"python -m stages.{name} "), (name, shell)
+            assert "gpu" not in resources and "gres" not in resources, (name, resources)
+            continue
+        assert resources["nproc"] == str(nproc), (name, resources)
+        if nodes == 1:
+            assert shell.startswith(f"torchrun --standalone --nproc-per-node {nproc} {stage_args}"), (name, shell)
+            assert resources["gpu"] == str(gpus), (name, resources)
+        else:
+            # srun starts one torchrun agent per node; they meet at a c10d rendezvous (workflow/launch.py).
+            assert f" srun --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 " in shell, (name, shell)
+            assert f" torchrun --nnodes {nodes} --nproc-per-node {nproc} --rdzv-backend c10d " in shell, (name, shell)
+            assert f' --rdzv-id "$SLURM_JOB_ID" {stage_args}' in shell, (name, shell)
+            assert resources["nodes"] == str(nodes) and resources["gres"] == f"gpu:{gpus}", (name, resources)
 
 
 def test_params_section_names_map_to_dvc_params():
@@ -191,12 +266,7 @@ def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
             assert set(outputs.values()) <= outs, stage
     assert set(bundle_artifacts(config)) <= set(re.findall(r"[^\s=]+", dvc["report"]["cmd"]))
 
-    for name in ["Snakefile", "params.yaml", "workflow", "stages", "data", "models", "requirements"]:
-        src = REPO_ROOT / name
-        if src.is_dir():
-            shutil.copytree(src, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(src, tmp_path / name)
+    _copy_workflow(tmp_path)
     rules = tmp_path / "workflow/rules/data.smk"
     text = rules.read_text()
     assert '        stats=OUT["normalize"]["stats"],\n' in text

@@ -7,13 +7,12 @@ import math
 import subprocess
 import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
 
 from stages.embedded_data import COLOURS, DEFAULT_OUT, WORLD, build_examples, build_rows, encode
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT
 COMMITTED = REPO_ROOT / DEFAULT_OUT
 
 

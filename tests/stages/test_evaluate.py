@@ -3,26 +3,17 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 import scipy.stats
-import yaml
 
-from stages import evaluate
 from stages.lib import scoring as ev
 from stages.lib.io import sha256_json
+from stage_helpers import evaluate_params, run_evaluate_cli
 from synthetic_probe import dpo_rows, make_probe, rm_rows, write_all
 
-REPO = Path(__file__).resolve().parents[1]
 N = 512
-
-
-def base_params(**evaluate) -> dict:
-    params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["evaluate"].update(evaluate)
-    return params
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +154,7 @@ def _511(rows):
 @pytest.mark.parametrize("kind", ["dpo", "rm"])
 def test_wrong_probe_rejected_with_reason(probe, kind, mutate, message):
     pm, tm, _ = probe
-    params = base_params(bootstrap_replicates=100)
+    params = evaluate_params(bootstrap_replicates=100)
     good = dpo_rows(tm, 0.1, 5, 0.6, False) if kind == "dpo" else rm_rows(tm, 5, 0.4, False)
     ev.evaluate_model(kind, good, good, pm, tm, params, "s0.jsonl", "final.jsonl")  # the unmutated probe passes
     bad = copy.deepcopy(good)
@@ -204,24 +195,6 @@ def test_manifest_level_mismatches(probe):
 # CLI: outputs, determinism, seed sensitivity, refusal writes nothing
 # --------------------------------------------------------------------------------------------------
 
-def _run_cli(root: Path, params: dict, out: str, extra_dpo_final: str | None = None) -> dict[str, Path]:
-    params_path = root / f"params_{out}.yaml"
-    params_path.write_text(yaml.safe_dump(params))
-    outs = {"metrics_dpo": root / out / "metrics/dpo.json", "metrics_rm": root / out / "metrics/rm.json",
-            "bootstrap": root / out / "bootstrap_summary.json"}
-    r = root / "results"
-    argv = ["--params", str(params_path), "--probe-manifest", str(r / "probe/probe_manifest.json"),
-            "--probe-token-manifest", str(r / "tokens/probe_token_manifest.json"),
-            "--probe-tokens", str(r / "tokens/probe_tokens.parquet"),
-            "--dpo-step0", str(r / "train_dpo/probe_step0.jsonl"),
-            "--dpo-final", extra_dpo_final or str(r / "train_dpo/probe_final.jsonl"),
-            "--rm-step0", str(r / "train_rm/probe_step0.jsonl"), "--rm-final", str(r / "train_rm/probe_final.jsonl"),
-            "--metrics-dpo", str(outs["metrics_dpo"]), "--metrics-rm", str(outs["metrics_rm"]),
-            "--bootstrap", str(outs["bootstrap"]), "--log", str(root / out / "evaluate.log")]
-    assert evaluate.main(argv) == 0
-    return outs
-
-
 def _leaves(obj):
     if isinstance(obj, dict):
         for v in obj.values():
@@ -231,10 +204,10 @@ def _leaves(obj):
 
 
 def test_cli_deterministic_seeded_and_small_metrics(tmp_path):
-    params = base_params(bootstrap_replicates=2000)
+    params = evaluate_params(bootstrap_replicates=2000)
     write_all(tmp_path, params)
-    a = _run_cli(tmp_path, params, "a")
-    b = _run_cli(tmp_path, params, "b")
+    a = run_evaluate_cli(tmp_path, params, "a")
+    b = run_evaluate_cli(tmp_path, params, "b")
     for key in a:
         assert a[key].read_bytes() == b[key].read_bytes(), key
 
@@ -252,7 +225,7 @@ def test_cli_deterministic_seeded_and_small_metrics(tmp_path):
     assert digest == ev.index_matrix_digest(ev.bootstrap_indices(N, 2000, 7))
     assert str(tmp_path) not in a["bootstrap"].read_text()  # content hashes, never paths
 
-    c = _run_cli(tmp_path, base_params(bootstrap_replicates=2000, seed=8), "c")
+    c = run_evaluate_cli(tmp_path, evaluate_params(bootstrap_replicates=2000, seed=8), "c")
     other = json.loads(c["bootstrap"].read_text())
     assert other["models"]["dpo"]["bootstrap"]["index_matrix"]["sha256"] != digest
     assert (other["models"]["rm"]["bootstrap"]["accuracy"]["final"]["distribution_sha256"]
@@ -262,20 +235,20 @@ def test_cli_deterministic_seeded_and_small_metrics(tmp_path):
 
 
 def test_cli_refuses_511_pairs_and_writes_nothing(tmp_path):
-    params = base_params(bootstrap_replicates=100)
+    params = evaluate_params(bootstrap_replicates=100)
     write_all(tmp_path, params)
     rows = (tmp_path / "results/train_dpo/probe_final.jsonl").read_text().splitlines(True)
     short = tmp_path / "short.jsonl"
     short.write_text("".join(rows[:511]))
     with pytest.raises(SystemExit, match=r"evaluate: refused: .*short.jsonl: wrong count: 511 pairs"):
-        _run_cli(tmp_path, params, "x", extra_dpo_final=str(short))
+        run_evaluate_cli(tmp_path, params, "x", extra_dpo_final=str(short))
     assert not (tmp_path / "x/metrics").exists() and not (tmp_path / "x/bootstrap_summary.json").exists()
     assert "wrong count: 511" in (tmp_path / "x/evaluate.log").read_text()
 
 
 def test_cli_reports_truncated_probe_pairs_and_refuses_a_record_of_other_tokens(tmp_path):
     """tokenize's `truncated` record (keep_end / truncate_completion) is checked, and counted in the summary."""
-    params = base_params(bootstrap_replicates=100)
+    params = evaluate_params(bootstrap_replicates=100)
     write_all(tmp_path, params)
     tm_path = tmp_path / "results/tokens/probe_token_manifest.json"
     tm = json.loads(tm_path.read_text())
@@ -283,12 +256,12 @@ def test_cli_reports_truncated_probe_pairs_and_refuses_a_record_of_other_tokens(
     tm["truncated"] = [{"index": i, "pair_id": tm["pair_ids"][i], "reason": reason, "token_hash": tm["token_hashes"][i]}
                        for i, reason in ((3, "prompt_turns_dropped"), (40, "prompt_text_cut"), (41, "prompt_turns_dropped"))]
     tm_path.write_text(json.dumps(tm))
-    summary = json.loads(_run_cli(tmp_path, params, "a")["bootstrap"].read_text())
+    summary = json.loads(run_evaluate_cli(tmp_path, params, "a")["bootstrap"].read_text())
     assert summary["probe_truncated"] == {"pairs": 3, "by_reason": {"prompt_text_cut": 1, "prompt_turns_dropped": 2}}
     assert "3 of 512 pairs were truncated" in (tmp_path / "a/evaluate.log").read_text()
 
     tm["truncated"][1]["token_hash"] = tm["token_hashes"][0]
     tm_path.write_text(json.dumps(tm))
     with pytest.raises(SystemExit, match=r"refused: probe token manifest: truncated\[1\] .*not of the tokens that are scored"):
-        _run_cli(tmp_path, params, "x")
+        run_evaluate_cli(tmp_path, params, "x")
     assert not (tmp_path / "x/bootstrap_summary.json").exists()

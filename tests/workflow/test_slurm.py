@@ -18,7 +18,7 @@ from conftest import REPO_ROOT
 from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
 from slurm_cluster import SlurmCluster, SlurmUnavailable
 from pipeline_helpers import copy_checkout, dvc_changed_stages
-from test_train import assert_same_training, stage_args, torchrun, write_params
+from stage_helpers import assert_same_training, stage_args, torchrun, write_train_params
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
 from launch import first_hostname, job_nodelist, node_address, torchrun_launch, train_resources  # noqa: E402
@@ -106,7 +106,7 @@ def test_two_node_training_under_srun_equals_one_process(slurm, tmp_path):
     make_tiny_model_dir(tmp_path / "model")
     write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
     write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
-    params = write_params(tmp_path / "p.yaml", train={"lr": 1e-3, "epochs": 1})
+    params = write_train_params(tmp_path / "p.yaml", train={"lr": 1e-3, "epochs": 1})
     torchrun(1, "stages.train_rm", stage_args(tmp_path, "--out-dir", tmp_path / "one", params))
 
     # The rules' own launch line and allocation for 2 nodes x 1 CPU process (what the plugin submits for

@@ -18,43 +18,16 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from conftest import REPO_ROOT as REPO
 from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
 from stages.engine.checkpoint import META, TEST_HOOK_ENV, CheckpointError, list_checkpoints
 from stages.lib.io import read_json, read_jsonl
-from test_train import REPO, assets, stage_args, write_params  # noqa: F401 - `assets` is a fixture
+from stage_helpers import assert_identical_runs, checkpoint_at, ckpt_args, stage_args, write_train_params
 
 torch.set_num_threads(1)
 
 # 64 train pairs, 16 per step, 2 epochs: 8 optimizer steps; checkpoints after steps 2, 4, 6, 8.
 SAVE_EVERY = 2
-LOG_COLUMNS = ["step", "epoch", "loss", "accuracy", "ties", "margin", "lr", "grad_norm", "pairs", "tokens"]
-
-
-def ckpt_args(a: Path, out: str, params: Path, ckpt: Path | str | None = None, resume: str | None = None,
-              extra: list[str] | None = None) -> list[str]:
-    args = stage_args(a, "--out-dir", a / out, params) + (extra or [])
-    if ckpt is not None:
-        args += ["--checkpoint-dir", str(ckpt)]
-    if resume is not None:
-        args += ["--resume", str(resume)]
-    return args
-
-
-def checkpoint_at(directory: Path, step: int) -> Path:
-    found = [p for s, p, _ in list_checkpoints(directory)[0] if s == step]
-    assert len(found) == 1, (step, sorted(os.listdir(directory)))
-    return found[0]
-
-
-def assert_identical_runs(a: Path, b: Path) -> None:
-    """Bitwise: weights, every per-step log value (not the timing column), both probe files."""
-    la, lb = pd.read_csv(a / "train_log.csv"), pd.read_csv(b / "train_log.csv")
-    assert list(la.columns) == list(lb.columns)
-    assert la.step.tolist() == lb.step.tolist() == list(range(1, len(la) + 1))     # no duplicates, no gaps
-    pd.testing.assert_frame_equal(la[[c for c in LOG_COLUMNS if c in la]], lb[[c for c in LOG_COLUMNS if c in lb]],
-                                  check_exact=True)
-    for f in ("model/model.safetensors", "probe_step0.jsonl", "probe_final.jsonl"):
-        assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 
 # ----------------------------------------------------------------------------------------------
@@ -63,7 +36,7 @@ def assert_identical_runs(a: Path, b: Path) -> None:
 
 def test_checkpoints_are_complete_self_describing_and_pruned(assets):
     from stages import train_rm
-    params = write_params(assets / "p.yaml", train={"save_every": 3})
+    params = write_train_params(assets / "p.yaml", train={"save_every": 3})
     info = train_rm.main(ckpt_args(assets, "rm", params, assets / "ck"))
     assert info["checkpoints_saved"] == [3, 6, 8] and info["resumed_from_step"] is None   # the last step too
     complete, incomplete = list_checkpoints(assets / "ck")
@@ -82,7 +55,7 @@ def test_checkpoints_are_complete_self_describing_and_pruned(assets):
 
 def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run_bitwise(assets):
     from stages import train_dpo
-    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY}, dpo={"objective": "dpo_ref_free"})
+    params = write_train_params(assets / "p.yaml", train={"save_every": SAVE_EVERY}, dpo={"objective": "dpo_ref_free"})
     train_dpo.main(ckpt_args(assets, "full", params, assets / "ck"))
     step6 = checkpoint_at(assets / "ck", 6)
     info = train_dpo.main(ckpt_args(assets, "resumed", params, assets / "ck2", resume=step6))
@@ -98,7 +71,7 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run_bitwise(asset
 def trained(assets):
     """One finished RM run and one reference-free DPO run, each with checkpoints at steps 2 and 4."""
     from stages import train_dpo, train_rm
-    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY, "epochs": 1},
+    params = write_train_params(assets / "p.yaml", train={"save_every": SAVE_EVERY, "epochs": 1},
                           dpo={"objective": "dpo_ref_free"})
     train_rm.main(ckpt_args(assets, "rm", params, assets / "ck_rm"))
     train_dpo.main(ckpt_args(assets, "dpo", params, assets / "ck_dpo"))
@@ -230,9 +203,9 @@ def test_different_data_probe_reference_params_or_world_size_are_refused(trained
     refused("train_rm", swap("--train-tokens", other / "train.parquet"), r"train data \(train tokens\) differ")
     refused("train_rm", swap("--probe-tokens", other / "probe.parquet"), r"probe \(probe tokens\) differ")
     refused("train_rm", swap("--model-dir", other / "model"), "reference differs")
-    hot = write_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
+    hot = write_train_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
     refused("train_rm", ckpt_args(a, "x", hot, resume=good), "train settings differ: lr: 0.003 -> 0.01")
-    centered = write_params(a / "c.yaml", train={"save_every": SAVE_EVERY, "epochs": 1},
+    centered = write_train_params(a / "c.yaml", train={"save_every": SAVE_EVERY, "epochs": 1},
                             rm={"center_rewards_coefficient": 0.1})
     refused("train_rm", ckpt_args(a, "x", centered, resume=good), "objective params differ: center_rewards")
     wide = copy_checkpoint(good, a / "wide", world_size=2)
@@ -243,7 +216,7 @@ def test_auto_resume_skips_other_runs_checkpoints_with_a_warning(trained):
     """A rerun with new params must start fresh, not load the old run's state; the old ones stay."""
     from stages import train_rm
     a, _ = trained
-    hot = write_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
+    hot = write_train_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
     old = sorted(p.name for p in (a / "ck_rm").iterdir())
     info = train_rm.main(ckpt_args(a, "hot", hot, a / "ck_rm"))
     assert info["resumed_from_step"] is None and info["checkpoints_saved"] == [2, 4]
@@ -258,7 +231,7 @@ def test_auto_resume_skips_other_runs_checkpoints_with_a_warning(trained):
 def test_save_every_without_a_checkpoint_dir_is_refused(assets):
     from stages import train_rm
     from stages.engine.settings import TrainConfigError
-    params = write_params(assets / "p.yaml", train={"save_every": 2})
+    params = write_train_params(assets / "p.yaml", train={"save_every": 2})
     with pytest.raises(SystemExit, match="train_rm: refused: .*needs a checkpoint directory") as e:
         train_rm.main(ckpt_args(assets, "x", params))
     assert not dist.is_initialized()
@@ -279,7 +252,7 @@ def test_rm_export_loads_back_with_identical_scores_and_the_head_guard(assets):
     from stages.engine.dist import DistEnv
     from stages.engine.export import ExportError, check_export_head
     from stages.engine.settings import TrainSettings
-    params = write_params(assets / "p.yaml", train={"epochs": 1})
+    params = write_train_params(assets / "p.yaml", train={"epochs": 1})
     train_rm.main(ckpt_args(assets, "rm", params))
     final = read_jsonl(assets / "rm/probe_final.jsonl")
     want = np.array([[r["chosen_score"], r["rejected_score"]] for r in final])
@@ -403,7 +376,7 @@ def interrupted_saves(directory: Path, step: int | None = None) -> list[Path]:
 
 @pytest.mark.slow
 def test_sigkill_after_a_checkpoint_then_resume_equals_uninterrupted_dp1(assets):
-    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY})
+    params = write_train_params(assets / "p.yaml", train={"save_every": SAVE_EVERY})
     finish(launch(1, "stages.train_rm", ckpt_args(assets, "full", params, assets / "ck_full")))
     ck = assets / "ck"
     proc = launch(1, "stages.train_rm", ckpt_args(assets, "run", params, ck), hook="after_save:4")
@@ -418,7 +391,7 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_uninterrupted_dp1(assets)
 @pytest.mark.slow
 def test_sigkill_after_and_during_checkpoint_saves_then_resume_equals_uninterrupted_dp2(assets):
     from stages import ref_logps, train_dpo
-    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY})
+    params = write_train_params(assets / "p.yaml", train={"save_every": SAVE_EVERY})
     ref_logps.main(stage_args(assets, "--out", assets / "ref.parquet", params))
     ref = ["--ref-logps", str(assets / "ref.parquet")]
     finish(launch(2, "stages.train_dpo", ckpt_args(assets, "full", params, assets / "ck_full", extra=ref)))
@@ -444,7 +417,7 @@ def test_sigkill_after_and_during_checkpoint_saves_then_resume_equals_uninterrup
 
 @pytest.mark.slow
 def test_fsdp2_dcp_checkpoint_resume_equals_uninterrupted(assets):
-    params = write_params(assets / "p.yaml", train={"save_every": SAVE_EVERY, "parallel": "fsdp2"})
+    params = write_train_params(assets / "p.yaml", train={"save_every": SAVE_EVERY, "parallel": "fsdp2"})
     finish(launch(2, "stages.train_rm", ckpt_args(assets, "full", params, assets / "ck_full")))
     ck = assets / "ck"
     proc = launch(2, "stages.train_rm", ckpt_args(assets, "run", params, ck), hook="after_save:4")

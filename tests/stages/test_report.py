@@ -24,7 +24,7 @@ from stages.lib import evidence as ev
 from stages.lib.layout import bundle_artifacts
 from synthetic_probe import write_all, write_sources
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import REPO_ROOT as REPO
 
 EVALUATE_CMD = (
     "python -m stages.evaluate --params params.yaml --probe-manifest results/probe/probe_manifest.json"

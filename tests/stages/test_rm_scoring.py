@@ -27,7 +27,7 @@ from data_helpers import CHATML, UNLIMITED, gpt2_with_template, load_hh_pairs
 from stages.data.pair_tokenizer import PairTokenizer
 from stages.data.tokenizer import load_tokenizer
 from stages.data.truncation import tokenize_pairs
-from test_train import stage_args, write_params
+from stage_helpers import stage_args, write_train_params as write_params
 
 torch.set_num_threads(1)
 GPT2_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt")

@@ -1,7 +1,8 @@
 """The tokenize stage (stages/tokenize.py): its one streaming path on real GPT-2 tokenizer and real HH-RLHF pairs:
 deterministic bytes for any worker count and chunk size, the probe bound and recorded, inputs refused, the CLI
-without torch, a huge row, a killed stage. (The pair tokenizer and the truncation modes: tests/test_pair_tokenizer.py,
-tests/test_truncation.py; the default pipeline's bytes against the committed record: tests/test_pipeline_e2e.py.)
+without torch, a huge row, a killed stage. (The pair tokenizer and the truncation modes:
+tests/data/test_pair_tokenizer.py, tests/data/test_truncation.py; the default pipeline's bytes against the committed
+record: tests/workflow/test_pipeline_e2e.py.)
 """
 from __future__ import annotations
 
