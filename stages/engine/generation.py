@@ -23,7 +23,7 @@ the comparison's noise cancels where the two distributions agree).
 
 Batch invariance on CPU (`row_invariant_linears`): MKL's single-threaded sgemm under the portable pin
 (stages/lib/environment.py) gives a row of x @ W.T the same bits for any number of rows as long as that number is
-a multiple of 8 (fewer, or a remainder, take other kernels: tests/test_generation.py checks both), so during
+a multiple of 8 (fewer, or a remainder, take other kernels: tests/stages/test_generate.py checks both), so during
 generation every nn.Linear runs on its rows padded with zeros to a multiple of 8. The rest is per row already
 (norms, rotary tables, elementwise ops, each prompt's own attention in the prefill, the decode attention of one
 (row, KV head) pair at a time over the fixed L), so on CPU a completion's tokens and the recorded outputs do not
