@@ -303,3 +303,33 @@ def test_memory_plan_bounds_the_measured_peak_on_gpu(tmp_path, state):
     static = plan["weights"] + plan["grads"] + plan["masters"] + plan["moments"]
     assert static < peak < plan["total"], (static, peak, plan)
     assert peak < 1.25 * (plan["total"] - 2 ** 30), (peak, plan)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_generation_decode_graphs_equal_eager_decode_on_gpu(temperature):
+    """The generate stage's loop on CUDA in bf16 (bench/generation_bench.py's tiny shape with a merged LoRA policy):
+    decode steps replayed as CUDA graphs give the same completions, to the token, as eager decode steps, greedy and
+    sampled (the counter-based draws do not depend on the path), and a second graphed run gives them again."""
+    import sys
+
+    import numpy as np
+    from conftest import REPO_ROOT
+    sys.path.insert(0, str(REPO_ROOT / "bench"))
+    import generation_bench
+    from stages.engine.generation import GenerationSettings, StopTokens, generate
+    device = torch.device("cuda")
+    model = generation_bench.build_models("tiny", device, torch.bfloat16)["policy"]
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, 1000, size=int(n)) for n in rng.integers(3, 40, size=10)]
+    settings = GenerationSettings(max_new_tokens=24, temperature=temperature, top_p=0.9, seed=7, n=2, batch_size=8)
+    stop = StopTokens(eos=(generation_bench.EOS_ID,))
+
+    def run(graphs: bool):
+        out = generate(model, prompts, list(range(len(prompts))), settings, stop, generation_bench.EOS_ID, device,
+                       cuda_graphs=graphs)
+        return out, [(c.prompt, c.sample, c.tokens, c.stop_reason) for c in out.completions]
+
+    graphed, tokens = run(True)
+    assert graphed.cuda_graphs["enabled"] is True, graphed.cuda_graphs
+    assert run(False)[1] == tokens
+    assert run(True)[1] == tokens
