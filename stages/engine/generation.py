@@ -264,11 +264,25 @@ def max_positions(model: nn.Module) -> int | None:
     return getattr(model.config, "max_position_embeddings", None)
 
 
+def cache_argument(model: nn.Module) -> str:
+    """The name the model's forward takes its KV cache by: transformers renamed `past_key_values` to `cache` within
+    the versions we support (>= 5.17). Passed under the other name the cache would go unused into **kwargs (every
+    decode step then attends to its own token only), so the name is read from the forward's signature."""
+    import inspect
+    params = inspect.signature(model.forward).parameters
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            return name
+    raise GenerationError(f"{type(model).__name__}.forward takes neither `cache` nor `past_key_values`: this "
+                          "transformers version's cache interface is not supported by generation")
+
+
 class _DecodeStep:
     """The decode forward over fixed tensors (token, position, key mask, cache), eager or as a CUDA graph."""
 
     def __init__(self, model: nn.Module, cache: GenerationCache, batch: int, length: int, device, graphs: bool):
         self.model, self.cache = model, cache
+        self.cache_kw = {cache_argument(model): cache}
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.key_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
@@ -279,7 +293,7 @@ class _DecodeStep:
         self.graph_state: dict = {"enabled": False, "reason": "off" if not graphs else "not captured yet"}
 
     def _forward(self) -> torch.Tensor:
-        out = self.model(input_ids=self.tokens, position_ids=self.positions, cache=self.cache, use_cache=True,
+        out = self.model(input_ids=self.tokens, position_ids=self.positions, **self.cache_kw, use_cache=True,
                          prefpipe_key_mask=self.key_mask)
         return out.logits[:, -1]
 
@@ -382,7 +396,7 @@ def _generate_batch(model, cache: GenerationCache, step: _DecodeStep, seqs: list
                      torch.cat([torch.arange(n) for n in lens]).to(device))
     try:
         out = model(input_ids=torch.as_tensor(np.concatenate(seqs), dtype=torch.int64, device=device)[None],
-                    position_ids=cache.prefill[1][None], cache=cache, use_cache=True, cu_seq_lens_q=cu,
+                    position_ids=cache.prefill[1][None], **step.cache_kw, use_cache=True, cu_seq_lens_q=cu,
                     cu_seq_lens_k=cu, max_length_q=max(lens), max_length_k=max(lens),
                     logits_to_keep=(cu[1:] - 1).to(torch.int64))
     finally:
