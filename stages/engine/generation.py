@@ -1,4 +1,7 @@
-"""Generation: completions of a causal LM for token prompts, batched over a KV cache, and the models that do it.
+"""Over ~500 lines on purpose: the cache, the attention it feeds, the decode step (eager or graphed), the sampler and
+the loaders share one batch layout; split, each part would need the others to be read.
+
+Generation: completions of a causal LM for token prompts, batched over a KV cache, and the models that do it.
 
 The loop (`generate`), per batch of `batch_size` (prompt, sample) items:
   prefill  the batch's prompts as ONE packed row (no padding; training's packed attention, each prompt attending

@@ -1,4 +1,7 @@
-"""Models over packed micro-batches: varlen attention, chunked completion log-probs, a scalar reward head.
+"""Over ~500 lines on purpose: the model-side contract of training (attention backends, fused-kernel routing, the
+log-prob and reward heads, loading) is read together; the fused routing patches the modules this file loads.
+
+Models over packed micro-batches: varlen attention, chunked completion log-probs, a scalar reward head.
 
 Attention: transformers' AttentionInterface lets a model call our function for every attention
 layer. transformers (5.x) forwards extra model kwargs untouched down to it, so we pass
