@@ -95,8 +95,8 @@ LAUNCH_VARIANTS = {
 @pytest.mark.parametrize("variant", LAUNCH_VARIANTS)
 def test_training_rules_launch_torchrun_with_the_resolved_process_count(tmp_path, variant):
     """The rules of workflow/rules/train.smk run `torchrun` with one process per GPU (train.gpus), or
-    train.cpu_procs processes when train.gpus is 0, and ask Snakemake/Slurm for what they start; no other rule
-    starts torchrun. Checked on the command Snakemake really runs, for each variant's params."""
+    train.cpu_procs processes when train.gpus is 0, and ask Snakemake/Slurm for what they start; generate and judge
+    run one process on at most one GPU; no other rule starts torchrun or asks for a GPU. Checked on the command Snakemake really runs, for each variant's params."""
     edits, executor = LAUNCH_VARIANTS[variant]
     root = _copy_workflow(tmp_path)
     params = yaml.safe_load((root / "params.yaml").read_text())
@@ -109,10 +109,17 @@ def test_training_rules_launch_torchrun_with_the_resolved_process_count(tmp_path
     jobs = _dry_run(root, *executor)
     training = re.findall(r"^rule (\w+):", (REPO_ROOT / "workflow/rules/train.smk").read_text(), re.M)
     assert set(training) == {"ref_logps", "train_dpo", "train_rm"} <= set(jobs), (training, sorted(jobs))
+    generation = re.findall(r"^rule (\w+):", (REPO_ROOT / "workflow/rules/generation.smk").read_text(), re.M)
+    assert {"generate", "judge"} <= set(generation) and {"generate", "judge"} <= set(jobs), (generation, sorted(jobs))
     for name, (resources, shell) in jobs.items():
         if name == "all":
             continue
         stage_args = f"-m stages.{name} -- --params params.yaml "
+        if name in generation:        # one process on at most one GPU, on one node, whatever training uses
+            assert "torchrun" not in shell and shell.startswith(f"python -m stages.{name} "), (name, shell)
+            assert resources["gpu"] == str(min(gpus, 1)) and resources["nproc"] == "1", (name, resources)
+            assert resources.get("nodes", "1") == "1", (name, resources)
+            continue
         if name not in training:
             assert "torchrun" not in shell and shell.startswith(f"python -m stages.{name} "), (name, shell)
             assert "gpu" not in resources and "gres" not in resources, (name, resources)
