@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import yaml
@@ -81,8 +82,10 @@ def test_readme_real_data_section_runs_as_written(tmp_path):
     for kind in ("dpo", "rm"):
         assert json.loads((repo / f"metrics/{kind}.json").read_text())["n_pairs"] == 512
     assert (repo / "results/report/evidence.tar.gz").is_file()
-    # The run is recorded for DVC too: dvc.yaml lists the real file as normalize's dep, and Snakemake
-    # has nothing left to do.
+    # The run is recorded for DVC too: dvc.yaml lists the real file as normalize's dep (a source outside the
+    # repository by its absolute path, so a queued DVC experiment's copy finds it), and Snakemake has nothing left
+    # to do.
     dvc = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]["normalize"]
-    assert "../shared/data/hh-rlhf/harmless-base-test.jsonl.gz" in dvc["deps"]
+    source = (repo / "../shared/data/hh-rlhf/harmless-base-test.jsonl.gz").resolve()
+    assert any(Path(dep).is_absolute() and Path(dep).resolve() == source for dep in dvc["deps"]), dvc["deps"]
     assert "Nothing to be done" in sh("snakemake", "-n", "--cores", "2", cwd=repo)
