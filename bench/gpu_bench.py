@@ -584,6 +584,10 @@ def ours_row(name: str, stages: dict, objective: str, shape: dict, w: dict, lora
             "train_window_median_tokens_per_s": sorted(windows)[len(windows) // 2] if windows else None,
             "mfu": round(fl / secs / peak, 4) if peak else None, "mfu_hw": round(fl_hw / secs / peak, 4) if peak else None,
             "computed_tokens": computed, "peak_mem_gib": round(max(train["peak_memory_bytes_per_rank"]) / 2**30, 2),
+            # the allocator's reserved peak (allocated + cached + the graphs' pools: what the card had to hold)
+            "reserved_peak_gib": (round(max(train["peak_reserved_bytes_per_rank"]) / 2**30, 2)
+                                  if train.get("peak_reserved_bytes_per_rank") else None),
+            "cuda_allocator_conf": train.get("cuda_allocator_conf"),
             "device_peak_gib": max((m for m in mems if m is not None), default=None),
             # the stage's wall time outside its timed loop: start-up, model load, probes, export
             "outside_train_s": round(train["wall_s"] - train["train_seconds"], 1),

@@ -35,6 +35,30 @@ class DistEnv:
         return self.rank == 0
 
 
+# The CUDA caching allocator's setting for every engine process (training, reference passes, generation, judging).
+# Without expandable segments a 7B bf16_sr_8bit run on an 80 GB card ran out of memory inside CUDA-graph capture
+# with 49.3 GiB allocated and 28.4 GiB reserved but unallocated (blocks of the eager first steps, cut to other
+# sizes, that the graphs' private pool could not reuse); with them it peaked at 59.0 GiB. Segments that grow in
+# place leave nothing stranded, so the memory plan's 5% fragmentation allowance holds (tests/engine/test_gpu.py).
+CUDA_ALLOCATOR_CONF = "expandable_segments:True"
+ALLOCATOR_ENV = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")     # torch >= 2.9's name, then the older one
+
+
+def configure_cuda_allocator() -> str:
+    """Give this process's CUDA allocator CUDA_ALLOCATOR_CONF, unless the user set one (theirs is kept as given).
+    Must run before the first CUDA allocation: the allocator reads its configuration once, at its first use.
+    The variable is exported too, so processes this one starts inherit it. Returns the configuration in force."""
+    for name in ALLOCATOR_ENV:
+        if os.environ.get(name):
+            return f"{name}={os.environ[name]} (set by the user)"
+    os.environ["PYTORCH_CUDA_ALLOC_CONF"] = CUDA_ALLOCATOR_CONF
+    if torch.cuda.is_initialized():
+        # A process that used CUDA before this call (a test running several stages in one process): new segments
+        # follow the setting from here on.
+        torch.cuda.memory._set_allocator_settings(CUDA_ALLOCATOR_CONF)
+    return f"PYTORCH_CUDA_ALLOC_CONF={CUDA_ALLOCATOR_CONF}"
+
+
 def init_distributed(settings: TrainSettings) -> DistEnv:
     """torchrun's env:// when launched by it; otherwise a one-process group, so the code path is the same."""
     use_cuda = settings.gpus > 0
@@ -48,6 +72,7 @@ def init_distributed(settings: TrainSettings) -> DistEnv:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
     if use_cuda:
+        configure_cuda_allocator()          # before set_device and any allocation
         torch.cuda.set_device(device)
     # The CPU reduction order depends on the intra-op thread count, and runners set it differently
     # (Snakemake exports OMP_NUM_THREADS=<rule threads>, DVC and torchrun with one process leave the
@@ -156,4 +181,10 @@ def peak_memory_bytes(env: DistEnv) -> int:
     if env.device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(env.device))
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024   # CPU: peak RSS of the process
+
+
+def peak_reserved_bytes(env: DistEnv) -> int | None:
+    """What the card had to hold at the peak: the allocator's reserved segments (allocated + cached + graph pools),
+    the figure the memory plan must bound for a run to fit. None on the CPU."""
+    return int(torch.cuda.max_memory_reserved(env.device)) if env.device.type == "cuda" else None
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from stages.engine.adapters import ADAPTER_SUBDIR, Adapter, adapter_state_dict, merged_model, save_adapter_dir
 from stages.engine.dist import DistEnv
+from stages.engine.optim import trained_params
 from stages.engine.settings import TrainSettings
 from stages.lib.contracts import TOKENIZER_FILES
 from stages.engine.modeling import TOKENIZER_MARKERS
@@ -100,9 +101,10 @@ def host_state_dict(hf: nn.Module, optimizer: torch.optim.Optimizer, trained_onl
     flat buffer, which save_pretrained would take for shared storage and clone on the device. A parameter under
     several names (tied embeddings) stays one tensor, so save_pretrained drops the same alias. trained_only: only
     the optimizer's parameters (an adapter's export reads only those; the frozen base would cost host memory)."""
+    params = trained_params(optimizer)
     masters = getattr(optimizer, "master_params", None)
-    master_of = dict(zip(map(id, optimizer.model_params), masters)) if masters is not None else {}
-    trained = {id(p) for p in optimizer.model_params}
+    master_of = dict(zip(map(id, params), masters)) if masters is not None else {}
+    trained = {id(p) for p in params}
     copies: dict[int, torch.Tensor] = {}
     state = {}
     for name, t in hf.state_dict(keep_vars=True).items():

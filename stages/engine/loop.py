@@ -25,6 +25,7 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -38,7 +39,7 @@ from stages.engine.adapters import Adapter, attach_adapter, check_adapter_settin
 from stages.engine.cli import _progress_bar
 from stages.engine.data import prefetch_batches, run_inference
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
-                                seed_everything, wrap_model)
+                                peak_reserved_bytes, seed_everything, wrap_model)
 from stages.engine.export import export_model, host_state_dict
 from stages.engine.guards import check_plan
 from stages.engine.objectives import Objective
@@ -438,6 +439,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
     env, settings, state = run.env, run.settings, run.state
     peaks = [None] * env.world_size
     dist.all_gather_object(peaks, peak_memory_bytes(env), group=env.control_group)
+    reserved = [None] * env.world_size
+    dist.all_gather_object(reserved, peak_reserved_bytes(env), group=env.control_group)
     graph_facts, graph_times = split_measurements(graph_info)
     run_info = {
         "objective": run.objective.name,
@@ -471,6 +474,10 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "throughput_windows": throughput,
         "peak_memory_bytes_per_rank": peaks,
         "peak_memory_kind": "cuda_max_allocated" if env.device.type == "cuda" else "cpu_max_rss",
+        # CUDA: the allocator's reserved peak (what the card held) and its configuration (dist.configure_cuda_allocator)
+        **({"peak_reserved_bytes_per_rank": reserved,
+            "cuda_allocator_conf": os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+           if env.device.type == "cuda" else {}),
         "kernel_warmup_seconds": round(run.kernel_warmup_s, 3),
         "cuda_graphs": graph_times,
         # Process start to the first optimizer step, by phase (stages/engine/startup.py).

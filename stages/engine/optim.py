@@ -83,6 +83,15 @@ class MasterWeightAdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
 
 
+def trained_params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """The model parameters an optimizer trains, in its groups' order: our optimizers' `model_params` (the bf16
+    working weights where it keeps fp32 masters), else the parameters of its groups (torch's AdamW, which the exact
+    mode over fp32 or autocast weights uses, has no `model_params`: an export that assumed one failed at the end of
+    every `precision: autocast` GPU run)."""
+    own = getattr(optimizer, "model_params", None)
+    return list(own) if own is not None else [p for g in optimizer.param_groups for p in g["params"]]
+
+
 def build_optimizer(module: nn.Module, settings: TrainSettings, env: DistEnv,
                     masters: dict[int, torch.Tensor] | None = None) -> torch.optim.AdamW:
     decay = [p for p in module.parameters() if p.requires_grad and p.ndim >= 2]

@@ -275,3 +275,26 @@ def test_memory_fit_table_is_the_plan_with_the_fewest_checkpointed_layers_that_f
     # exact AdamW at 7B does not fit 80 GB in any checkpointing; bf16_sr_8bit does without any
     assert rows[0]["80 GB (79.1 GiB)"] is None and rows[4]["80 GB (79.1 GiB)"].checkpointed_layers == 0
     assert "| `{state: bf16_sr_8bit}` |" in memory_fit.table("t", rows)
+
+
+def test_gpu_check_refuses_without_a_gpu_and_copies_a_clean_checkout(tmp_path, capsys):
+    """bench/gpu_check.py (the GPU gate) refuses on a machine without CUDA, writing no record; its pipeline part runs
+    in a fresh git repository holding this checkout's files without any run output (results/, logs/, .snakemake/)."""
+    import subprocess
+    import torch
+    import gpu_check
+    if not torch.cuda.is_available():
+        assert gpu_check.main(["--out", str(tmp_path / "rec"), "--parts", "suite"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err and not (tmp_path / "rec" / "record.txt").exists()
+    with pytest.raises(SystemExit):
+        gpu_check.main(["--out", str(tmp_path / "rec"), "--parts", "suite,typo"])
+    dest = tmp_path / "copy"
+    gpu_check.copy_checkout(dest)
+    assert (dest / "Snakefile").exists() and (dest / "params.yaml").read_bytes() == (REPO_ROOT / "params.yaml").read_bytes()
+    assert not any((dest / d).exists() for d in ("results", "logs", ".snakemake", ".venv"))
+    status = subprocess.run(["git", "status", "--porcelain"], cwd=dest, capture_output=True, text=True, check=True)
+    assert status.stdout == ""
+    rendered = gpu_check.render({"commit": "abc", "date": "d", "command": "c", "ok": False,
+                                 "machine": {"card": "NVIDIA H100 80GB HBM3", "card_memory_gib": 79.1},
+                                 "parts": {"suite": {"ok": False, "seconds": 1, "failures": ["t::x"]}}})
+    assert "NVIDIA H100 80GB HBM3" in rendered and "## suite: FAILED" in rendered and "t::x" in rendered

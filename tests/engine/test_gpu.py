@@ -285,6 +285,7 @@ def test_memory_plan_bounds_the_measured_peak_on_gpu(tmp_path, state):
     from conftest import REPO_ROOT
     from stage_helpers import write_train_params as write_params
     from engine_helpers import toy_task_rows
+    from stages.engine.dist import ALLOCATOR_ENV, CUDA_ALLOCATOR_CONF
     model_dir = tmp_path / "m"
     from transformers import AutoModelForCausalLM, Qwen2Config
     cfg = Qwen2Config(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
@@ -303,12 +304,19 @@ def test_memory_plan_bounds_the_measured_peak_on_gpu(tmp_path, state):
                     "--train-tokens", str(tmp_path / "train.parquet"), "--probe-tokens", str(tmp_path / "probe.parquet"),
                     "--out-dir", str(tmp_path / "out"), "--log", str(tmp_path / "log"),
                     "--perf", str(tmp_path / "perf.json")], check=True, cwd=REPO_ROOT,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])})
+                   env={**{k: v for k, v in os.environ.items() if k not in ALLOCATOR_ENV},   # none set by hand
+                        "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])})
     plan = json.loads((tmp_path / "out" / "run_info.json").read_text())["memory_plan"]
-    peak = max(json.loads((tmp_path / "perf.json").read_text())["peak_memory_bytes_per_rank"])
+    perf = json.loads((tmp_path / "perf.json").read_text())
+    peak = max(perf["peak_memory_bytes_per_rank"])
     static = plan["weights"] + plan["grads"] + plan["masters"] + plan["moments"]
     assert static < peak < plan["total"], (static, peak, plan)
     assert peak < 1.25 * (plan["total"] - 2 ** 30), (peak, plan)
+    # What the card held (allocated + cached + the graphs' pools), with the allocator the stage configures itself
+    # (dist.configure_cuda_allocator): within the plan, whose overhead is meant to cover it.
+    assert perf["cuda_allocator_conf"] == CUDA_ALLOCATOR_CONF
+    reserved = max(perf["peak_reserved_bytes_per_rank"])
+    assert peak <= reserved < plan["total"], (reserved, plan)
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

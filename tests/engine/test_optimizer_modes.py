@@ -265,3 +265,28 @@ def test_host_copies_of_a_master_free_run_export_the_modules_bytes(assets, train
     _assert_same_files(assets / "old" / "model", assets / "new" / "model")
     if run.adapter is None:
         assert json.loads((assets / "new" / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("train", [{"precision": "autocast"}, {"precision": "autocast", "adapter": LORA},
+                                   {"precision": "bf16"}])
+def test_host_copies_export_under_the_exact_state_of_any_optimizer_class(assets, train):
+    """train.optimizer.state exact: precision autocast trains fp32 weights with torch's own AdamW, which has no
+    `model_params` (only our optimizers have): the host copies every GPU run exports from took them from there and
+    failed every autocast GPU run at its export (issue 40). They write the bytes the module's own export writes."""
+    from stages.engine.dist import shutdown_distributed
+    from stages.engine.export import export_model, host_state_dict
+    from stages.engine.optim import trained_params
+    try:
+        run = _trained_one_step(assets, "dpo", train)
+        if train["precision"] == "autocast":
+            assert type(run.optimizer) is torch.optim.AdamW and not hasattr(run.optimizer, "model_params")
+        assert {id(p) for p in trained_params(run.optimizer)} == {id(p) for p in run.module.parameters()
+                                                                   if p.requires_grad}
+        args = (run.module, run.objective, run.settings, run.env, assets / "model")
+        state = host_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None)
+        export_model(*args, assets / "new" / "model", run.adapter, state=state)
+        if getattr(run.optimizer, "master_params", None) is None:
+            export_model(*args, assets / "old" / "model", run.adapter)
+            _assert_same_files(assets / "old" / "model", assets / "new" / "model")
+    finally:
+        shutdown_distributed()
