@@ -78,6 +78,8 @@ def machine() -> dict:
 
 
 def commit() -> str:
+    if os.environ.get("PREFPIPE_COMMIT"):         # the device tool's copy carries a .git of another HEAD
+        return os.environ["PREFPIPE_COMMIT"]
     r = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     if r.returncode == 0:
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
@@ -142,7 +144,8 @@ def part_pipeline(out: Path, args) -> dict:
             info["cuda_graphs"] = {k: info["cuda_graphs"].get(k) for k in ("enabled", "reason", "replays")
                                    if k in info["cuda_graphs"]}
     rec["stages"] = stages
-    rec["metrics"] = {p.name: json.loads(p.read_text()) for p in sorted((work / "metrics").glob("*.json"))}
+    if rc == 0:                                     # before the run, metrics/ holds the committed CPU record
+        rec["metrics"] = {p.name: json.loads(p.read_text()) for p in sorted((work / "metrics").glob("*.json"))}
     summary = work / "results" / "report" / "summary.md"
     if summary.exists():
         shutil.copy2(summary, out / "pipeline_summary.md")

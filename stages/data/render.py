@@ -50,13 +50,25 @@ def chat_template_renderer(tokenizer):
     return template_renderer(chat_template_text(tokenizer), dict(tokenizer.special_tokens_map))
 
 
+def normalize_messages(messages: list[dict]) -> list[dict]:
+    """What apply_chat_template does to a conversation of dicts before rendering it: keys whose value is None
+    dropped (templates render a present None as "None"). Ours, not transformers' private _normalize_chat_messages,
+    which transformers 5.17 (the GPU image's) does not have: importing it failed freeze_probe and tokenize there."""
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise TypeError(f"chat message {i} is a {type(message).__name__}, not a dict: {message!r}")
+        out.append({k: v for k, v in message.items() if v is not None})
+    return out
+
+
 def template_renderer(template: str, variables: dict):
     """render(messages, add_generation_prompt) -> text for any Jinja chat template (see chat_template_renderer)."""
-    from transformers.utils.chat_template_utils import _normalize_chat_messages, render_jinja_template
+    from transformers.utils.chat_template_utils import render_jinja_template
 
     def render(messages: list[dict], add_generation_prompt: bool) -> str:
         rendered, _ = render_jinja_template(
-            conversations=[_normalize_chat_messages(messages)], tools=None, documents=None,
+            conversations=[normalize_messages(messages)], tools=None, documents=None,
             chat_template=template, return_assistant_tokens_mask=False, continue_final_message=False,
             add_generation_prompt=add_generation_prompt, **variables)
         return rendered[0]

@@ -55,7 +55,8 @@ def configure_cuda_allocator() -> str:
     if torch.cuda.is_initialized():
         # A process that used CUDA before this call (a test running several stages in one process): new segments
         # follow the setting from here on.
-        torch.cuda.memory._set_allocator_settings(CUDA_ALLOCATOR_CONF)
+        setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
+        setter(CUDA_ALLOCATOR_CONF)
     return f"PYTORCH_CUDA_ALLOC_CONF={CUDA_ALLOCATOR_CONF}"
 
 
