@@ -17,9 +17,12 @@ The loop (`generate`), per batch of `batch_size` (prompt, sample) items:
   GPU, would set the pace). A capture that fails falls back to the eager step, saying
   why (GenerationRun.cuda_graphs).
 
-Sampling (`sample_next`): temperature 0 = greedy (argmax; a tie goes to the lowest token id). Otherwise
-softmax(logits / T) in float32, the top_p nucleus (probabilities sorted descending, stably; the smallest prefix
-whose float64 cumulative sum reaches top_p), and inverse-CDF sampling with u in [0, 1) from a counter-based hash of
+Sampling (`sample_next`), in transformers' order: the repetition penalty first (CTRL's, as HF's
+RepetitionPenaltyLogitsProcessor: the logit of every token already in the row, prompt included, divided by it when
+positive, multiplied when negative; 1 = off), then temperature 0 = greedy (argmax; a tie goes to the lowest token
+id). Otherwise softmax(logits / T) in float32, the top_k most likely tokens (probabilities sorted descending,
+stably; 0 = all), the top_p nucleus of those renormalized (the smallest prefix whose float64 cumulative sum
+reaches top_p), and inverse-CDF sampling with u in [0, 1) from a counter-based hash of
 (seed, the prompt's key, the sample's index, the step) (`uniforms`): a row's draws depend on neither the batch it
 is in nor the model, so the policy and the reference sample with the same random numbers (common random numbers:
 the comparison's noise cancels where the two distributions agree).
@@ -74,10 +77,22 @@ class GenerationSettings:
     seed: int
     n: int                      # completions per prompt and model
     batch_size: int             # (prompt, sample) items per batch
+    top_k: int = 0              # the k most likely tokens only; 0 = every token
+    repetition_penalty: float = 1.0   # > 0; 1 = off (CTRL / transformers' RepetitionPenaltyLogitsProcessor)
+
+    KNOBS = ("max_new_tokens", "temperature", "top_p", "seed", "n", "batch_size", "top_k", "repetition_penalty")
+
+    def __post_init__(self):
+        if self.top_k < 0 or self.repetition_penalty <= 0:
+            raise GenerationError(f"generation.top_k must be >= 0 (got {self.top_k}) and generation."
+                                  f"repetition_penalty > 0 (got {self.repetition_penalty})")
 
     @classmethod
     def from_params(cls, section: dict) -> "GenerationSettings":
-        return cls(**{k: section[k] for k in ("max_new_tokens", "temperature", "top_p", "seed", "n", "batch_size")})
+        missing = [k for k in cls.KNOBS if k not in section]
+        if missing:
+            raise GenerationError(f"params.yaml generation: missing {', '.join(missing)}")
+        return cls(**{k: section[k] for k in cls.KNOBS})
 
 
 @dataclass(frozen=True)
@@ -130,13 +145,22 @@ def uniforms(keys: torch.Tensor, step: int) -> torch.Tensor:
     return ((hi >> 11) * (2 ** 32) + lo).to(torch.float64) / float(2 ** 53)
 
 
-def sample_next(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None) -> torch.Tensor:
-    """[rows, V] float32 logits -> [rows] int64 token ids (module docstring)."""
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, u: torch.Tensor | None, top_k: int = 0,
+                seen: torch.Tensor | None = None, repetition_penalty: float = 1.0) -> torch.Tensor:
+    """[rows, V] float32 logits -> [rows] int64 token ids (module docstring). seen: [rows, V] bool, the tokens already
+    in each row (prompt and completion so far), read only under a repetition penalty."""
+    if repetition_penalty != 1.0:
+        penalized = torch.where(logits > 0, logits / repetition_penalty, logits * repetition_penalty)
+        logits = torch.where(seen, penalized, logits)
     if temperature == 0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits / temperature, dim=-1, dtype=torch.float32)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)
     mass = sorted_p.double()
+    if 0 < top_k < mass.shape[-1]:
+        mass[:, top_k:] = 0
+        if top_p < 1:                                       # the nucleus of the top-k, renormalized (as HF)
+            mass = mass / mass.sum(dim=-1, keepdim=True)
     if top_p < 1:
         before = torch.cumsum(mass, dim=-1) - mass          # the mass of the tokens ranked above each one
         mass = torch.where(before < top_p, mass, torch.zeros_like(mass))
@@ -409,11 +433,19 @@ def _generate_batch(model, cache: GenerationCache, step: _DecodeStep, seqs: list
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     done[real_rows:] = True
     generated = torch.full((rows, settings.max_new_tokens), pad_token_id, dtype=torch.int64, device=device)
+    seen = None
+    if settings.repetition_penalty != 1.0:       # the tokens in each row so far: its prompt's, then its own
+        seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
+        seen[torch.repeat_interleave(torch.arange(rows), torch.tensor(lens)).to(device),
+             torch.as_tensor(np.concatenate(seqs), dtype=torch.int64, device=device)] = True
     for t in range(settings.max_new_tokens):
         u = uniforms(keys, t) if settings.temperature > 0 else None
-        token = sample_next(logits, settings.temperature, settings.top_p, u)
+        token = sample_next(logits, settings.temperature, settings.top_p, u, settings.top_k, seen,
+                            settings.repetition_penalty)
         token = torch.where(done, torch.full_like(token, pad_token_id), token)
         generated[:, t] = token
+        if seen is not None:
+            seen[torch.arange(rows, device=device), token] = True
         done |= torch.isin(token, stop_ids)
         if t == settings.max_new_tokens - 1 or bool(done.all()):
             break

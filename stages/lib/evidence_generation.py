@@ -66,7 +66,10 @@ def render_generation_section(generation: dict | None, params: dict) -> list[str
         f"{gen['judge']['repo_id']} @ {gen['judge']['revision']}"
     policy = "The trained DPO policy" if gen["policy"] == "trained" else \
         f"{gen['policy']['repo_id']} @ {gen['policy']['revision']}"
-    sampling = "greedy" if gen["temperature"] == 0 else f"temperature {gen['temperature']}, top_p {gen['top_p']}"
+    sampling = "greedy" if gen["temperature"] == 0 else (
+        f"temperature {gen['temperature']}, top_p {gen['top_p']}" + (f", top_k {gen['top_k']}" if gen.get("top_k") else ""))
+    if gen.get("repetition_penalty", 1.0) != 1.0:
+        sampling += f", repetition penalty {gen['repetition_penalty']}"
     better = "yes" if m["win_rate_ci_low"] > 0.5 else "no"
     length, kl = m["length"], m["kl"]
     lines = ["## Generation: policy against reference", "",

@@ -117,3 +117,26 @@ def test_row_invariant_linears_give_a_row_the_same_bits_for_any_row_count():
             assert all(torch.equal(lin(x[:m]), full[:m]) for m in range(1, 17))
             assert torch.equal(lin(x[None, :3]), full[None, :3])       # any leading shape
         assert "forward" not in lin.__dict__                            # restored
+
+
+def test_top_k_and_repetition_penalty_are_recorded_and_change_the_completions(ws, tmp_path):
+    """A user sets generation.top_k and generation.repetition_penalty in params.yaml (issue 37): generate records
+    both in generation_info.json's settings and samples other completions than without them; a value the schema
+    refuses stops the stage naming the key."""
+    base_gen, base_info = run_generate(ws, tmp_path / "base")
+    params_text = ws["params"].read_text()
+    try:
+        ws["params"].write_text(params_text.replace("top_k: 0", "top_k: 3").replace("repetition_penalty: 1.0",
+                                                                                  "repetition_penalty: 1.3"))
+        gen, info = run_generate(ws, tmp_path / "knobs")
+        settings = json.loads(info.read_text())["settings"]
+        assert settings["top_k"] == 3 and settings["repetition_penalty"] == 1.3
+        assert json.loads(base_info.read_text())["settings"]["top_k"] == 0
+        tokens = [tuple(r["tokens"]) for r in generation_rows(read_parquet(gen), str(gen))]
+        assert tokens != [tuple(r["tokens"]) for r in generation_rows(read_parquet(base_gen), str(base_gen))]
+        ws["params"].write_text(params_text.replace("repetition_penalty: 1.0", "repetition_penalty: 0"))
+        with pytest.raises(SystemExit) as refused:
+            run_generate(ws, tmp_path / "bad")
+        assert "repetition_penalty" in str(refused.value)
+    finally:
+        ws["params"].write_text(params_text)
