@@ -181,6 +181,35 @@ def _length_stats(a: np.ndarray) -> dict:
             "p95": round(float(np.percentile(a, 95)), 4)}
 
 
+LENGTH_REASONS = ("prompt_too_long", "sequence_too_long")
+LOUD_LENGTH_LOSS = 0.1            # a split losing more than this fraction of its pairs to length is said loudly
+
+
+def length_loss_warnings(splits: dict[str, dict], limits: TokenizeLimits) -> list[str]:
+    """One line per split that lost more than LOUD_LENGTH_LOSS of its pairs to the length limits, naming the settings
+    that would keep them (tokenize_report.json `warnings`, the stage's log, summary.md's Warnings). A ShareGPT set at
+    1024 / 256 with keep_end lost 76% of its training pairs with nothing but a count in the report (issue 37)."""
+    out = []
+    for split, rep in splits.items():
+        lost = sum(rep["rejected_by_reason"].get(r, 0) for r in LENGTH_REASONS)
+        if not rep["pairs_in"] or lost / rep["pairs_in"] <= LOUD_LENGTH_LOSS:
+            continue
+        by = ", ".join(f"{r} {rep['rejected_by_reason'][r]}" for r in LENGTH_REASONS if rep["rejected_by_reason"].get(r))
+        need = rep.get("length_rejected_needs") or {}
+        fixes = []
+        if need.get("max_length_p90"):
+            fixes.append(f"tokenize.max_length >= {need['max_length_p90']} (90% of them)")
+        if need.get("max_prompt_length_p90") and rep["rejected_by_reason"].get("prompt_too_long"):
+            fixes.append(f"tokenize.max_prompt_length >= {need['max_prompt_length_p90']} (90% of the long prompts)")
+        if limits.truncation != "keep_end_then_completion":
+            fixes.append("tokenize.truncation: keep_end_then_completion (cuts the oldest prompt turns, then the "
+                         "completions, to fit: keeps every pair whose last prompt turn fits)")
+        out.append(f"{split}: {lost} of {rep['pairs_in']} pairs ({100 * lost / rep['pairs_in']:.0f}%) rejected for "
+                   f"length ({by}) at max_length {limits.max_length}, max_prompt_length {limits.max_prompt_length}, "
+                   f"truncation {limits.truncation}; would keep them: {'; or '.join(fixes)}")
+    return out
+
+
 @dataclass
 class SplitTally:
     """A split's chunks added up, in order: its report (tokenize_report.json `splits.<split>`). With
@@ -194,11 +223,20 @@ class SplitTally:
     lengths: dict = field(default_factory=lambda: {k: [] for k in LENGTH_KEYS})
     rejections: list = field(default_factory=list)
     truncations: list = field(default_factory=list)
+    # The pairs rejected for length: the longer branch's tokens; the prompt's of those rejected for their prompt
+    length_rejected: dict = field(default_factory=lambda: {"sequence": [], "prompt": []})
 
     def add(self, chunk: ChunkResult) -> None:
         self.pairs_in += chunk.pairs_in
         self.pairs_out += chunk.tokens.num_rows
         self.reasons.update(chunk.rejections.column("reason").to_pylist())
+        for r in chunk.rejections.select(["reason", "prompt_tokens", "chosen_tokens", "rejected_tokens"]).to_pylist():
+            if r["reason"] in LENGTH_REASONS:
+                branches = [t for t in (r["chosen_tokens"], r["rejected_tokens"]) if t is not None]
+                if branches:
+                    self.length_rejected["sequence"].append(max(branches))
+                if r["reason"] == "prompt_too_long" and r["prompt_tokens"] is not None:
+                    self.length_rejected["prompt"].append(r["prompt_tokens"])
         for t in chunk.truncations:
             self.truncated_by_reason[t["reason"]] += 1
         self.prompt_tokens_differ += chunk.prompt_tokens_differ
@@ -215,7 +253,12 @@ class SplitTally:
                 "truncated_by_reason": dict(self.truncated_by_reason),
                 "prompt_tokens_differ": self.prompt_tokens_differ,
                 "lengths": {k: _length_stats(np.concatenate(v) if v else np.zeros(0, np.int64))
-                            for k, v in self.lengths.items()}}
+                            for k, v in self.lengths.items()},
+                # what would have kept the pairs rejected for length: 90th percentiles of their token counts
+                "length_rejected_needs": {
+                    f"max_{k}_length_p90".replace("max_sequence_length", "max_length"):
+                        (int(np.ceil(np.percentile(v, 90))) if v else None)
+                    for k, v in self.length_rejected.items()}}
 
 
 def tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: str, tok_identity: str) -> dict:
@@ -229,7 +272,7 @@ def tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: 
             totals["truncated_by_reason"][k] += v
     totals["rejected_by_reason"] = dict(sorted(totals["rejected_by_reason"].items()))
     return {"limits": limits.as_dict(), "rendering": rendering, "tokenizer_identity": tok_identity,
-            "splits": splits, "totals": totals}
+            "splits": splits, "totals": totals, "warnings": length_loss_warnings(splits, limits)}
 
 
 def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity: str,
@@ -356,6 +399,8 @@ def _run(args) -> None:
     report = tokenize_to_files(limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, out, log,
                                workers=workers, chunk_pairs=args.chunk_pairs)
     train, probe = report["splits"]["train"], report["splits"]["probe"]
+    for warning in report["warnings"]:
+        log.warning("data lost to length: %s", warning)
     # No worker count or timing here: the log is hashed with the outputs.
     log.info("train: %d pairs in, %d out, %d rejected %s, %d truncated; probe: %d pairs, digest %s",
              train["pairs_in"], train["pairs_out"], train["rejected"], canonical_json(train["rejected_by_reason"]),

@@ -327,6 +327,8 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
     warnings = [f"- {label}: {w}" for label, cols in sorted((train_logs or {}).items())
                 for w in plan_warnings(len(cols.get("step", [])), _all_in_warmup(cols, params),
                                        params["train"]["warmup_ratio"])]
+    # Data lost to the length limits (tokenize_report.json's warnings: a split losing over a tenth of its pairs).
+    warnings += [f"- tokenize: {w}" for w in ((records or {}).get("tokenize_report") or {}).get("warnings", [])]
     if warnings:
         lines += ["## Warnings", "", *warnings, ""]
     lines += render_generation_section(generation, params)

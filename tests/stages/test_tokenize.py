@@ -450,3 +450,39 @@ def test_killed_tokenize_takes_its_workers_with_it(gpt2_tokenizer_dir, split_pai
         for w in workers:                    # only the workers this test's process started
             if _alive(w):
                 os.kill(w, signal.SIGKILL)
+
+
+def test_a_split_losing_over_a_tenth_of_its_pairs_to_length_is_said_loudly_with_the_fix():
+    """Issue 37: 176 of 231 ShareGPT pairs rejected as sequence_too_long went by with a count in the report. Over a
+    tenth lost to length, the report's `warnings` (the log and summary.md's Warnings read them) name the loss, the
+    limits and the settings that would keep the pairs; a tenth or less says nothing."""
+    import numpy as np
+    from stages.data.limits import TokenizeLimits
+    from stages.tokenize import SplitTally, length_loss_warnings, tokenize_report
+    import pyarrow as pa
+    from stages.data.truncation import REJECTIONS_SCHEMA
+    from stages.tokenize import ChunkResult
+
+    def chunk(n_in, rejected):
+        rows = [{"split": "train", "pair_id": f"p{i}", "src_file": "f", "src_row": i, "reason": reason,
+                 "detail": "", "prompt_tokens": p, "chosen_tokens": c, "rejected_tokens": r}
+                for i, (reason, p, c, r) in enumerate(rejected)]
+        return ChunkResult(n_in, pa.table({"pair_id": pa.array([], pa.string())}).slice(0, 0),
+                           pa.Table.from_pylist(rows, schema=REJECTIONS_SCHEMA), [], 0,
+                           {k: np.zeros(0, np.int64) for k in ("prompt", "chosen", "rejected", "chosen_completion",
+                                                               "rejected_completion")}, {})
+    limits = TokenizeLimits(max_length=1024, max_prompt_length=256, truncation="keep_end")
+    lossy = SplitTally()
+    lossy.add(chunk(231, [("sequence_too_long", 100, 1100 + i, 1050) for i in range(170)]
+                    + [("prompt_too_long", 300 + i, None, None) for i in range(6)]))
+    fine = SplitTally()
+    fine.add(chunk(100, [("sequence_too_long", 10, 2000, 30)] * 10))      # exactly a tenth: quiet
+    report = tokenize_report({"train": lossy.report(), "probe": fine.report()}, limits, "plain", "id")
+    assert len(report["warnings"]) == 1
+    w = report["warnings"][0]
+    assert w.startswith("train: 176 of 231 pairs (76%) rejected for length (prompt_too_long 6, sequence_too_long 170)")
+    assert "max_length 1024, max_prompt_length 256, truncation keep_end" in w
+    assert "tokenize.max_length >= 1253" in w and "tokenize.truncation: keep_end_then_completion" in w
+    assert "tokenize.max_prompt_length >= 305" in w
+    assert report["splits"]["train"]["length_rejected_needs"] == {"max_length_p90": 1253, "max_prompt_length_p90": 305}
+    assert length_loss_warnings({"probe": fine.report()}, limits) == []
