@@ -174,6 +174,15 @@ def summary_sections(records: dict, params: dict) -> list[str]:
                          f"{s.get('pairs_out')} | {s.get('rejected_total')} | {_by_reason(s.get('rejected')) or '-'} |")
         lines.append("")
     tok = records.get("tokenize_report")
+    if stats and tok:
+        # Where the normalized pairs went (freeze_probe): the probe, train, and the train pairs sharing a probe prompt.
+        pairs = (stats.get("totals") or {}).get("pairs_out")
+        train_in = ((tok.get("splits") or {}).get("train") or {}).get("pairs_in")
+        probe_in = ((tok.get("splits") or {}).get("probe") or {}).get("pairs_in")
+        if None not in (pairs, train_in, probe_in) and pairs >= probe_in + train_in:
+            lines += [f"Split (freeze_probe, seed {params['probe']['seed']}): {pairs} pairs = {probe_in} probe + "
+                      f"{train_in} train + {pairs - probe_in - train_in} excluded from train because their prompt is "
+                      "a probe prompt (probe_manifest.json `excluded_from_train`).", ""]
     if tok:
         lim = tok.get("limits") or {}
         lines += [f"Tokenize (max_length {lim.get('max_length')}, max_prompt_length {lim.get('max_prompt_length')}, "
@@ -195,14 +204,15 @@ def summary_sections(records: dict, params: dict) -> list[str]:
     infos = records.get("run_info") or {}
     if infos:
         lines += ["Training (each run's record, run_info.json):", "",
-                  "| model | objective | loss | beta | lr | epochs | adapter | pairs trained | optimizer steps | "
-                  "world size |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| model | objective | loss | beta | lr | schedule (warmup) | pairs a step | epochs | seed | adapter "
+                  "| pairs trained | optimizer steps | world size |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for label, info in sorted(infos.items()):
             st = info.get("settings") or {}
             loss, beta = _loss(label, params)
-            lines.append(f"| {label} | {info.get('objective')} | {loss} | {beta} | {st.get('lr')} | {st.get('epochs')} "
-                         f"| {_adapter(st)} | {info.get('train_pairs')} | {info.get('optimizer_steps')} | "
-                         f"{info.get('world_size')} |")
+            lines.append(f"| {label} | {info.get('objective')} | {loss} | {beta} | {st.get('lr')} | "
+                         f"{st.get('schedule')} ({st.get('warmup_ratio')}) | {st.get('global_batch_pairs')} | "
+                         f"{st.get('epochs')} | {st.get('seed')} | {_adapter(st)} | {info.get('train_pairs')} | "
+                         f"{info.get('optimizer_steps')} | {info.get('world_size')} |")
         lines.append("")
     per_source = per_source_accuracy(records, params)
     if per_source:

@@ -216,6 +216,17 @@ def test_bundle_byte_identical_contents_and_no_leaks(tmp_path):
     assert members["evidence/artifacts/results/env/environment.json"] == (repo / "results/env/environment.json").read_bytes()
     summary = members["evidence/summary.md"].decode()
     assert "| dpo | 0.5000 |" in summary and "![dpo_train_curves.png](curves/dpo_train_curves.png)" in summary
+    # What ran names the split's arithmetic and each run's batch, schedule, warmup and seed (issue 37)
+    stats = json.loads((repo / "results/normalize/normalize_stats.json").read_text())
+    tok = json.loads((repo / "results/tokens/tokenize_report.json").read_text())["splits"]
+    pairs, probe, train = stats["totals"]["pairs_out"], tok["probe"]["pairs_in"], tok["train"]["pairs_in"]
+    # (this synthetic workspace's records do not add up: its normalize stats are not the tokenized splits' source,
+    # so the line is left out rather than printing a negative count)
+    line = f"{pairs} pairs = {probe} probe + {train} train + {pairs - probe - train} excluded from train"
+    assert (line in summary) == (pairs >= probe + train) and ("excluded from train" in summary) == (pairs >= probe + train)
+    st = json.loads((repo / "results/train_dpo/run_info.json").read_text())["settings"]
+    assert (f"| {st['lr']} | {st['schedule']} ({st['warmup_ratio']}) | {st['global_batch_pairs']} | {st['epochs']} | "
+            f"{st['seed']} |") in summary
 
 
 def test_leaks_refuse_the_bundle(tmp_path):
@@ -652,6 +663,7 @@ def test_verify_holds_params_and_sources_to_the_workspace_dvc_lock(tmp_path):
         for label in ("dpo", "rm"):
             _edit_json(m, f"evidence/artifacts/results/train_{label}/run_info.json",
                        lambda d: d["settings"].__setitem__("seed", 99))
+            _replace_text(m, "evidence/summary.md", "| 1234 |", "| 99 |")    # summary.md's What ran names it
     forged = _rewrite(bundle, tmp_path / "seed.tar.gz", reseeded, consistent=True)
     assert _verify(repo, forged, workspace=False)[0] == 0       # the bundle alone cannot tell
     rc, out = _verify(repo, forged)
@@ -714,14 +726,17 @@ def test_the_bundle_packs_the_run_records_and_the_summary_says_what_ran(tmp_path
     assert summary == members["evidence/summary.md"].decode()
     src = params["data"]["sources"][0]
     ref = params["ref"]
+    st = json.loads((repo / "results/train_dpo/run_info.json").read_text())["settings"]
+    plan, seed = f"{st['schedule']} ({st['warmup_ratio']}) | {st['global_batch_pairs']}", st["seed"]
     for line in (
             "## What ran",
             f"| {src['name']} | `{src['path']}` | {src['format']} | 3 | 3 | 0 | - |",
             "| train | 100 | 100 | 0 | 0 | - |", f"| probe | 64 | 64 | 0 | 0 | - |",
             f"Reference: `{ref['repo_id']}` ({ref['source']}, `{ref['local_dir']}`) at revision `{ref['revision']}` "
             "(pinned), 1 files verified.",
-            f"| dpo | dpo | sigmoid | 0.1 | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |",
-            f"| rm | reward_model | pairwise logistic | - | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |"):
+            f"| dpo | dpo | sigmoid | 0.1 | 0.0003 | {plan} | 2 | {seed} | none (full fine-tuning) | 100 | 12 | 1 |",
+            f"| rm | reward_model | pairwise logistic | - | 0.0003 | {plan} | 2 | {seed} | none (full fine-tuning) | 100 | "
+            "12 | 1 |"):
         assert line in summary.splitlines(), (line, summary)
     assert "Per-source" not in summary                       # one source: the table above is per source already
 
