@@ -12,6 +12,13 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
+if os.path.join(workflow.basedir, "workflow") not in sys.path:
+    sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
+from preflight import dag_preflight, params_readable
+
+# Snakemake's own config load raises a traceback on bytes that are not UTF-8: they are refused first, in one line.
+params_readable("params.yaml")
+
 
 configfile: "params.yaml"
 
@@ -20,10 +27,6 @@ configfile: "params.yaml"
 # check every stage runs (stages/lib/params.py: a key written twice, a non-finite number, the schema; and
 # train.gpus against this machine's GPUs when the jobs run here), config equal to params.yaml (DVC reads
 # only that), every data source naming data files. A failure is one `Snakefile: refused:` line, exit 1.
-if os.path.join(workflow.basedir, "workflow") not in sys.path:
-    sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
-from preflight import dag_preflight
-
 dag_preflight(workflow, config)
 
 

@@ -126,11 +126,112 @@ def stage_changes(repo, recorded: dict) -> dict[str, dict]:
                         changes[kind][path] = change
                         if change == "modified" and _is_dir_record(item):   # name the files inside, where it can
                             changes["files"].update({f"{path}/{rel}": what for rel, what in _changed_files(item).items()})
+                if kind == "outs" and item.def_path not in changes["outs"]:
+                    for path, why in unverified_restore(item).items():
+                        changes["outs"][item.def_path] = "modified"
+                        changes["files"][os.path.relpath(path, repo.root_dir)] = why
         if stage.changed_stage():
             changes["other"].append("changed command")
         if any(changes.values()):
             stale[stage.name] = changes
     return stale
+
+
+def recorded_files(item) -> list[tuple[str, str]]:
+    """(workspace path, recorded md5) of each file an out or dep stands for in dvc.lock: the file itself, or each
+    file of a directory's recorded listing (when its .dir object is in DVC's cache; [] when it is not)."""
+    hash_info = getattr(item, "hash_info", None)
+    value = getattr(hash_info, "value", None)
+    if not isinstance(value, str) or getattr(hash_info, "name", None) not in ("md5", "md5-dos2unix"):
+        return []
+    if not value.endswith(".dir"):
+        return [(item.fs_path, value)]
+    try:
+        listing = item.get_obj()
+    except Exception:  # noqa: BLE001 -- the listing is not at hand: nothing to compare file by file
+        return []
+    if listing is None:
+        return []
+    return [(os.path.join(item.fs_path, *key), entry.value) for key, _, entry in listing]
+
+
+def content_md5(path: str) -> str:
+    """The md5 DVC records for a file, from its bytes read now (never from DVC's state db, which trusts a file
+    whose inode, mtime and size are unchanged, and an entry `dvc checkout` wrote from the cache object's name)."""
+    from dvc_data.hashfile.hash import file_md5
+    return file_md5(path)
+
+
+def unverified_restore(item) -> dict[str, str]:
+    """{workspace file: why} for each file of a recorded out whose bytes are not the recorded ones although DVC's
+    state db says they are, found where that claim has nothing behind it: the file's object in DVC's cache is
+    missing or no longer hashes to its name. `dvc checkout` copies a corrupt object and writes the object's name
+    into the state db as the file's hash (and DVC removes a corrupt object once it checks it), so the workspace
+    compare alone calls such a file up to date. The object is hashed through the state db (one stat per object
+    once hashed: a changed object has a new mtime); the workspace file is read whole only when its object is
+    missing or corrupt. A right workspace file beside a bad object is not reported (the file is right). A file
+    found wrong gets its true hash written into the state db, so DVC's own commands see it as modified too."""
+    cache = getattr(item, "cache", None)
+    if cache is None or not getattr(item, "use_cache", False):
+        return {}
+    from dvc_data.hashfile.hash import hash_file
+    from dvc_data.hashfile.hash_info import HashInfo
+    bad = {}
+    for path, oid in recorded_files(item):
+        if not os.path.isfile(path):
+            continue
+        obj_path = cache.oid_to_path(oid)
+        why = None
+        if not os.path.isfile(obj_path):
+            why = "not in DVC's cache"
+        else:
+            try:
+                _, actual = hash_file(obj_path, cache.fs, cache.hash_name, cache.state)
+            except OSError:
+                continue
+            if actual.value != oid:
+                why = f"restored from a corrupt cache object ({os.path.relpath(obj_path, item.repo.root_dir)})"
+        if why is None:
+            continue
+        actual = content_md5(path)
+        if actual != oid:
+            bad[path] = f"modified: {why}, and its bytes differ from the record"
+            cache.state.save(path, cache.fs, HashInfo(cache.hash_name, actual))
+    return bad
+
+
+def drop_corrupt_objects(item) -> list[str]:
+    """Delete from DVC's cache each object of a recorded out that no longer hashes to its name (DVC's own check,
+    which removes it), so that the commit of the out rebuilt stores the right bytes under that name again: DVC adds
+    no object that already exists. Returns the objects removed."""
+    cache = getattr(item, "cache", None)
+    if cache is None or not getattr(item, "use_cache", False):
+        return []
+    from dvc_data.hashfile.db import ObjectFormatError
+    removed = []
+    for _, oid in recorded_files(item):
+        try:
+            cache.check(oid)
+        except ObjectFormatError:
+            removed.append(cache.oid_to_path(oid))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def unrecorded_outputs(repo, recorded: dict) -> dict[str, list[str]]:
+    """{stage: its outputs that exist} for each dvc.yaml stage dvc.lock has no entry for (a bad merge dropped it, or
+    a run died before recording it) while outputs of it exist (persisted logs aside): bytes nobody recorded are no
+    evidence, so such a stage is rebuilt rather than trusted (and a stage that reads them is not run on them)."""
+    found = {}
+    for stage in repo.index.stages:
+        name = getattr(stage, "name", None)
+        if not name or name in recorded:
+            continue
+        present = [out.def_path for out in stage.outs if not getattr(out, "persist", False) and out.exists]
+        if present:
+            found[name] = present
+    return found
 
 
 def _is_dir_record(item) -> bool:
@@ -172,7 +273,7 @@ def changed_paths(changes: dict, kind: str, modified_only: bool = False) -> dict
     for path, change in changes[kind].items():
         if modified_only and change != "modified":
             continue
-        inner = {p: c for p, c in changes["files"].items() if p.startswith(path + "/")}
+        inner = {p: c for p, c in changes["files"].items() if p == path or p.startswith(path + "/")}
         out.update(inner if change == "modified" and inner else {path: change})
     return out
 
@@ -195,7 +296,8 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
     """Every dvc.yaml stage, upstream first, with its state by hash (what a Snakemake run would do about it):
     ("up to date", []), ("must rerun", reasons: recorded bytes, params or command changed), ("outputs missing",
     paths: `dvc checkout` restores them from DVC's cache, else the next run rebuilds them), ("rerun after", the
-    upstream stages that rerun first) or ("never run", []: dvc.lock records no run of it). One DVC session, as
+    upstream stages that rerun first), ("not recorded", why: dvc.lock has no entry while outputs of it exist: the
+    next run rebuilds it) or ("never run", []: dvc.lock records no run of it). One DVC session, as
     RunGuard's start-up check (`prefpipe status`)."""
     recorded = read_lockfile(root)
     with dvc_session(root) as repo:
@@ -204,6 +306,7 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
                                  "recorded to compare with")
         stages = [s for s in repo.index.stages if getattr(s, "name", None)]
         changes = stage_changes(repo, recorded)
+        unrecorded = unrecorded_outputs(repo, recorded) if recorded else {}
         owner = {out.fs_path: s.name for s in stages for out in s.outs}
         upstream = {s.name: sorted({owner[d.fs_path] for d in s.deps if getattr(d, "fs_path", None) in owner}
                                    - {s.name}) for s in stages}
@@ -215,7 +318,10 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
     for name in order:
         ch = changes.get(name)
         before = [u for u in upstream[name] if u in redo]
-        if name not in recorded:
+        if name in unrecorded:
+            rows.append((name, "not recorded", [f"{LOCKFILE} has no entry for it, yet its outputs exist: "
+                                                f"{', '.join(unrecorded[name])}"]))
+        elif name not in recorded:
             rows.append((name, "never run", []))
         elif ch is not None and content_changed(ch):
             rows.append((name, "must rerun", describe(ch)))
@@ -294,8 +400,12 @@ class RunGuard:
         needed = None
         try:
             if repo is not None and recorded:
-                self.stale = {name: describe(ch) for name, ch in stage_changes(repo, recorded).items()
-                              if content_changed(ch)}
+                changes = {name: ch for name, ch in stage_changes(repo, recorded).items() if content_changed(ch)}
+                self.stale = {name: describe(ch) for name, ch in changes.items()}
+                for name, paths in unrecorded_outputs(repo, recorded).items():
+                    self.stale[name] = [f"{LOCKFILE} has no entry for it, yet its outputs exist "
+                                        f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): outputs "
+                                        "nobody recorded are no evidence, so they are rebuilt"]
                 needed = needed_stages(repo, targets)
         except BaseException:
             self.release()
