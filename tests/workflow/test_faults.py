@@ -475,6 +475,7 @@ def test_a_probe_larger_than_the_data_is_refused_before_anything_trains(workspac
         # Back as it was, mtimes included (rebuilding freeze_probe would rerun everything after it: minutes).
         (repo / "params.yaml").write_text(params)
         for path, (data, st) in saved.items():
+            path.parent.mkdir(parents=True, exist_ok=True)      # Snakemake removed the failed job's outputs
             path.write_bytes(data)
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     done = run(repo, "snakemake", "--cores", "1")
