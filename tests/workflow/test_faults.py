@@ -408,15 +408,20 @@ def test_a_killed_snakemake_takes_its_stage_down_and_the_next_run_recovers(works
     plain run clears the stale lock, reruns the incomplete job, saying so, and ends with the record."""
     repo = workspace
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
+    # Its own session, as a terminal's foreground job: Ctrl-C reaches its process group (and Snakemake, cancelling,
+    # signals its jobs' group), never the test runner's.
     proc = subprocess.Popen(["snakemake", "--cores", "2", "--forcerun", stage], cwd=repo, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         _wait_for(proc, f"stages[.]{stage} ")
         time.sleep(3)
         started = _descendants(proc.pid)
         assert any("torchrun" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
                    for p in started if _running(p))
-        os.kill(proc.pid, sig)
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)           # Ctrl-C: the terminal signals the foreground process group
+        else:
+            os.kill(proc.pid, sig)             # kill -9 PID: snakemake alone
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
