@@ -12,6 +12,13 @@ from snakemake.utils import min_version
 
 min_version("9.0")
 
+if os.path.join(workflow.basedir, "workflow") not in sys.path:
+    sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
+from preflight import dag_preflight, params_readable
+
+# Snakemake's own config load raises a traceback on bytes that are not UTF-8: they are refused first, in one line.
+params_readable("params.yaml")
+
 
 configfile: "params.yaml"
 
@@ -20,10 +27,6 @@ configfile: "params.yaml"
 # check every stage runs (stages/lib/params.py: a key written twice, a non-finite number, the schema; and
 # train.gpus against this machine's GPUs when the jobs run here), config equal to params.yaml (DVC reads
 # only that), every data source naming data files. A failure is one `Snakefile: refused:` line, exit 1.
-if os.path.join(workflow.basedir, "workflow") not in sys.path:
-    sys.path.insert(0, os.path.join(workflow.basedir, "workflow"))
-from preflight import dag_preflight
-
 dag_preflight(workflow, config)
 
 
@@ -42,10 +45,11 @@ RUN_GUARD = None
 if guards_this_process(workflow):
     try:
         RUN_GUARD = RunGuard(Path(workflow.basedir), requested_targets())
-        if RUN_GUARD.unforced:
-            RUN_GUARD.rerun_forcing()       # this command again, with --forcerun: replaces this process
+        if RUN_GUARD.unforced or RUN_GUARD.rerun_incomplete:
+            RUN_GUARD.rerun_forcing()       # this command again, with --forcerun / --rerun-incomplete: replaces this process
     except IntegrityError as _e:
         refuse(f"integrity: {_e}")
+    RUN_GUARD.watch_jobs()                  # a stage's processes die with this run, kill -9 included
 
 
 include: "workflow/rules/environment.smk"
@@ -72,16 +76,22 @@ onsuccess:
     # Record in dvc.lock what this run built, and only that, so `dvc status` agrees with it (sync_dvc.py refuses to
     # record an output of another stage that changed on disk, printing why). Not for `dvc repro`'s own calls (DVC
     # records those) nor for --touch (nothing was built). A run must never end with a declared output missing.
+    # DVC's lock is shared with the commit's process (never free between the run and its record: a `dvc repro`
+    # started in that gap ran beside this run), and given back after it.
     if RUN_GUARD is not None:
-        RUN_GUARD.release()
         _missing = sorted({str(f) for job in workflow.dag.jobs for f in job.output if not os.path.exists(f)})
         if _missing:
+            RUN_GUARD.release()
             refuse(f"integrity: declared outputs missing after the run: {', '.join(_missing)}")
         if not workflow.touch:
             _ran = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"})
-            _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran])
+            _handed = RUN_GUARD.handed_lock()
+            _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran],
+                                   pass_fds=(_handed[0],) if _handed else (), env=_handed[1] if _handed else None)
+            RUN_GUARD.release()
             if _done.returncode != 0:
                 raise SystemExit(_done.returncode)
+        RUN_GUARD.release()
 
 
 onerror:

@@ -69,10 +69,64 @@ def read_lockfile(root: Path = ROOT) -> dict:
     return doc["stages"]
 
 
+# "FD:PID": DVC's repository lock, already held, handed on (an inherited descriptor of the same open `.dvc/tmp/lock`:
+# DVC locks it with flock, which belongs to the open file, so it stays held across RunGuard.rerun_forcing's exec and
+# is shared with the onsuccess commit's process): the receiving process uses it instead of locking again, so no
+# other process can take the lock in between (issue 34 item 4: `dvc repro` started in that gap ran beside us).
+HELD_LOCK = "PREFPIPE_DVC_LOCK"
+
+
+def lock_path(root: Path) -> Path:
+    return root / ".dvc" / "tmp" / "lock"
+
+
+def inherited_lock(root: Path) -> int | None:
+    """The descriptor of DVC's lock this process was handed (HELD_LOCK), when it really is one: given by this very
+    process before its exec or by its parent, and open on `root`'s `.dvc/tmp/lock` (the same inode). Else None."""
+    value = os.environ.get(HELD_LOCK, "")
+    try:
+        fd, pid = (int(part) for part in value.split(":"))
+        if pid not in (os.getpid(), os.getppid()) or os.fstat(fd).st_ino != lock_path(root).stat().st_ino:
+            return None
+    except (ValueError, OSError):
+        return None
+    os.set_inheritable(fd, False)        # jobs of this run must not hold it (a job orphaned by a kill would keep it)
+    return fd
+
+
+def dvc_stage_running(root: Path) -> str | None:
+    """A `dvc repro` stage command running in `root` now, as `cmd (pid N)`: DVC gives its repository lock back while
+    a stage's command runs (dvc/stage/decorators.py unlocked_repo) and holds only its read/write lock on the
+    stage's paths (.dvc/tmp/rwlock, with the holder's pid). None when no live process holds an entry."""
+    import json
+    try:
+        info = json.loads((root / ".dvc" / "tmp" / "rwlock").read_text() or "{}")
+    except (OSError, ValueError):
+        return None
+    for mode in ("write", "read"):
+        for entries in (info.get(mode) or {}).values():
+            for entry in entries if isinstance(entries, list) else [entries]:
+                pid = entry.get("pid") if isinstance(entry, dict) else None
+                if isinstance(pid, int) and pid != os.getpid() and _alive(pid):
+                    return f"`{entry.get('cmd', 'dvc')}` (pid {pid})"
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 @contextlib.contextmanager
 def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
     """A DVC Repo of `root` with its repository lock held (DVC's own `.dvc/tmp/lock`, the one `dvc repro`
-    takes), or None when `root` is no DVC repository or DVC is not installed."""
+    takes, or the one this process was handed: HELD_LOCK), or None when `root` is no DVC repository or DVC is not
+    installed. Refused while a `dvc repro` stage command runs (it holds DVC's rwlock, not the repository lock)."""
     if not (root / ".dvc").is_dir():
         yield None
         return
@@ -92,6 +146,18 @@ def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
             yield None
             return
     with contextlib.chdir(root), repo:
+        handed = inherited_lock(root)
+        if handed is not None:
+            from dvc.lock import LockNoop
+            repo.prefpipe_lock_fd = handed
+            repo.lock = LockNoop()          # held through `handed`: DVC's own asserts (rwlocked) see it as locked
+            repo.lock.lock()
+            repo._lock_depth = 1            # and a @locked DVC call inside does not lock again
+            try:
+                yield repo
+            finally:
+                os.close(handed)      # never LOCK_UN: the process that handed it on still holds it
+            return
         try:
             ctx = lock_repo(repo)
             ctx.__enter__()
@@ -101,6 +167,12 @@ def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
                 "wait for that `dvc repro` / `snakemake` run to finish (two runs at once would write the same "
                 "outputs)") from e
         try:
+            running = dvc_stage_running(root)
+            if running is not None:
+                raise IntegrityError(f"`dvc repro` is running a stage in this repository ({running}, in "
+                                     f"{root / '.dvc/tmp/rwlock'}): wait for it to finish (two runs at once would "
+                                     "write the same outputs)")
+            repo.prefpipe_lock_fd = repo.lock._lock._fp.fileno() if getattr(repo.lock, "_lock", None) else None
             yield repo
         finally:
             ctx.__exit__(None, None, None)
@@ -126,11 +198,112 @@ def stage_changes(repo, recorded: dict) -> dict[str, dict]:
                         changes[kind][path] = change
                         if change == "modified" and _is_dir_record(item):   # name the files inside, where it can
                             changes["files"].update({f"{path}/{rel}": what for rel, what in _changed_files(item).items()})
+                if kind == "outs" and item.def_path not in changes["outs"]:
+                    for path, why in unverified_restore(item).items():
+                        changes["outs"][item.def_path] = "modified"
+                        changes["files"][os.path.relpath(path, repo.root_dir)] = why
         if stage.changed_stage():
             changes["other"].append("changed command")
         if any(changes.values()):
             stale[stage.name] = changes
     return stale
+
+
+def recorded_files(item) -> list[tuple[str, str]]:
+    """(workspace path, recorded md5) of each file an out or dep stands for in dvc.lock: the file itself, or each
+    file of a directory's recorded listing (when its .dir object is in DVC's cache; [] when it is not)."""
+    hash_info = getattr(item, "hash_info", None)
+    value = getattr(hash_info, "value", None)
+    if not isinstance(value, str) or getattr(hash_info, "name", None) not in ("md5", "md5-dos2unix"):
+        return []
+    if not value.endswith(".dir"):
+        return [(item.fs_path, value)]
+    try:
+        listing = item.get_obj()
+    except Exception:  # noqa: BLE001 -- the listing is not at hand: nothing to compare file by file
+        return []
+    if listing is None:
+        return []
+    return [(os.path.join(item.fs_path, *key), entry.value) for key, _, entry in listing]
+
+
+def content_md5(path: str) -> str:
+    """The md5 DVC records for a file, from its bytes read now (never from DVC's state db, which trusts a file
+    whose inode, mtime and size are unchanged, and an entry `dvc checkout` wrote from the cache object's name)."""
+    from dvc_data.hashfile.hash import file_md5
+    return file_md5(path)
+
+
+def unverified_restore(item) -> dict[str, str]:
+    """{workspace file: why} for each file of a recorded out whose bytes are not the recorded ones although DVC's
+    state db says they are, found where that claim has nothing behind it: the file's object in DVC's cache is
+    missing or no longer hashes to its name. `dvc checkout` copies a corrupt object and writes the object's name
+    into the state db as the file's hash (and DVC removes a corrupt object once it checks it), so the workspace
+    compare alone calls such a file up to date. The object is hashed through the state db (one stat per object
+    once hashed: a changed object has a new mtime); the workspace file is read whole only when its object is
+    missing or corrupt. A right workspace file beside a bad object is not reported (the file is right). A file
+    found wrong gets its true hash written into the state db, so DVC's own commands see it as modified too."""
+    cache = getattr(item, "cache", None)
+    if cache is None or not getattr(item, "use_cache", False):
+        return {}
+    from dvc_data.hashfile.hash import hash_file
+    from dvc_data.hashfile.hash_info import HashInfo
+    bad = {}
+    for path, oid in recorded_files(item):
+        if not os.path.isfile(path):
+            continue
+        obj_path = cache.oid_to_path(oid)
+        why = None
+        if not os.path.isfile(obj_path):
+            why = "not in DVC's cache"
+        else:
+            try:
+                _, actual = hash_file(obj_path, cache.fs, cache.hash_name, cache.state)
+            except OSError:
+                continue
+            if actual.value != oid:
+                why = f"restored from a corrupt cache object ({os.path.relpath(obj_path, item.repo.root_dir)})"
+        if why is None:
+            continue
+        actual = content_md5(path)
+        if actual != oid:
+            bad[path] = f"modified: {why}, and its bytes differ from the record"
+            cache.state.save(path, cache.fs, HashInfo(cache.hash_name, actual))
+    return bad
+
+
+def drop_corrupt_objects(item) -> list[str]:
+    """Delete from DVC's cache each object of a recorded out that no longer hashes to its name (DVC's own check,
+    which removes it), so that the commit of the out rebuilt stores the right bytes under that name again: DVC adds
+    no object that already exists. Returns the objects removed."""
+    cache = getattr(item, "cache", None)
+    if cache is None or not getattr(item, "use_cache", False):
+        return []
+    from dvc_data.hashfile.db import ObjectFormatError
+    removed = []
+    for _, oid in recorded_files(item):
+        try:
+            cache.check(oid)
+        except ObjectFormatError:
+            removed.append(cache.oid_to_path(oid))
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def unrecorded_outputs(repo, recorded: dict) -> dict[str, list[str]]:
+    """{stage: its outputs that exist} for each dvc.yaml stage dvc.lock has no entry for (a bad merge dropped it, or
+    a run died before recording it) while outputs of it exist (persisted logs aside): bytes nobody recorded are no
+    evidence, so such a stage is rebuilt rather than trusted (and a stage that reads them is not run on them)."""
+    found = {}
+    for stage in repo.index.stages:
+        name = getattr(stage, "name", None)
+        if not name or name in recorded:
+            continue
+        present = [out.def_path for out in stage.outs if not getattr(out, "persist", False) and out.exists]
+        if present:
+            found[name] = present
+    return found
 
 
 def _is_dir_record(item) -> bool:
@@ -172,7 +345,7 @@ def changed_paths(changes: dict, kind: str, modified_only: bool = False) -> dict
     for path, change in changes[kind].items():
         if modified_only and change != "modified":
             continue
-        inner = {p: c for p, c in changes["files"].items() if p.startswith(path + "/")}
+        inner = {p: c for p, c in changes["files"].items() if p == path or p.startswith(path + "/")}
         out.update(inner if change == "modified" and inner else {path: change})
     return out
 
@@ -195,7 +368,8 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
     """Every dvc.yaml stage, upstream first, with its state by hash (what a Snakemake run would do about it):
     ("up to date", []), ("must rerun", reasons: recorded bytes, params or command changed), ("outputs missing",
     paths: `dvc checkout` restores them from DVC's cache, else the next run rebuilds them), ("rerun after", the
-    upstream stages that rerun first) or ("never run", []: dvc.lock records no run of it). One DVC session, as
+    upstream stages that rerun first), ("not recorded", why: dvc.lock has no entry while outputs of it exist: the
+    next run rebuilds it) or ("never run", []: dvc.lock records no run of it). One DVC session, as
     RunGuard's start-up check (`prefpipe status`)."""
     recorded = read_lockfile(root)
     with dvc_session(root) as repo:
@@ -204,6 +378,7 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
                                  "recorded to compare with")
         stages = [s for s in repo.index.stages if getattr(s, "name", None)]
         changes = stage_changes(repo, recorded)
+        unrecorded = unrecorded_outputs(repo, recorded) if recorded else {}
         owner = {out.fs_path: s.name for s in stages for out in s.outs}
         upstream = {s.name: sorted({owner[d.fs_path] for d in s.deps if getattr(d, "fs_path", None) in owner}
                                    - {s.name}) for s in stages}
@@ -215,7 +390,10 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
     for name in order:
         ch = changes.get(name)
         before = [u for u in upstream[name] if u in redo]
-        if name not in recorded:
+        if name in unrecorded:
+            rows.append((name, "not recorded", [f"{LOCKFILE} has no entry for it, yet its outputs exist: "
+                                                f"{', '.join(unrecorded[name])}"]))
+        elif name not in recorded:
             rows.append((name, "never run", []))
         elif ch is not None and content_changed(ch):
             rows.append((name, "must rerun", describe(ch)))
@@ -287,6 +465,7 @@ class RunGuard:
         recorded = read_lockfile(root)
         self._session = dvc_session(root)
         repo = self._session.__enter__()
+        self._session.prefpipe_repo = repo
         # A dry run has no onsuccess/onerror: give the lock back at exit, before the interpreter tears DVC down.
         atexit.register(self.release)
         already = {name for name in os.environ.get(FORCED, "").split(",") if name}
@@ -294,12 +473,21 @@ class RunGuard:
         needed = None
         try:
             if repo is not None and recorded:
-                self.stale = {name: describe(ch) for name, ch in stage_changes(repo, recorded).items()
-                              if content_changed(ch)}
+                changes = {name: ch for name, ch in stage_changes(repo, recorded).items() if content_changed(ch)}
+                self.stale = {name: describe(ch) for name, ch in changes.items()}
+                for name, paths in unrecorded_outputs(repo, recorded).items():
+                    self.stale[name] = [f"{LOCKFILE} has no entry for it, yet its outputs exist "
+                                        f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): outputs "
+                                        "nobody recorded are no evidence, so they are rebuilt"]
                 needed = needed_stages(repo, targets)
         except BaseException:
             self.release()
             raise
+        self.rerun_incomplete = False
+        if repo is not None:
+            for name, paths in self._recover_killed_run(repo).items():
+                self.stale.setdefault(name, []).append(
+                    f"a killed run left {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} incomplete")
         self.forced = sorted(name for name in self.stale if needed is None or name in needed)
         for name, reasons in self.stale.items():
             # The process started again by rerun_forcing said all this already (only something new is news).
@@ -309,11 +497,71 @@ class RunGuard:
                 self._log(f"integrity: {name} {verdict}: it no longer matches {LOCKFILE} ({shown})")
         self.unforced = sorted(set(self.forced) - already)
 
+    def _recover_killed_run(self, repo) -> dict[str, list[str]]:
+        """What a run killed by kill -9, Ctrl-C or SIGTERM leaves behind, made good, saying so. Every Snakemake run
+        of this checkout that runs jobs holds DVC's repository lock for its whole life (this class; `dvc repro`
+        holds it too, and its rwlock while a stage command runs), and this process now holds it and no dvc stage
+        is running: so a Snakemake lock in .snakemake/locks belongs to no living run and is removed. Outputs
+        Snakemake marked incomplete (.snakemake/incomplete) are rebuilt: the command runs again with
+        --rerun-incomplete (rerun_forcing), and their stages are forced: Snakemake alone would not rerun a stage
+        whose outputs are missing while the final target exists ("Nothing to be done"). Returns {stage: its
+        incomplete outputs}."""
+        smk = self.root / ".snakemake"
+        stale_locks = sorted((smk / "locks").glob("*.lock")) if (smk / "locks").is_dir() else []
+        if stale_locks:
+            for path in stale_locks:
+                path.unlink(missing_ok=True)
+            self._log("integrity: removed Snakemake's lock left by a killed run (.snakemake/locks): DVC's repository "
+                      "lock was free, so no snakemake or dvc run is using this checkout")
+        marks = sorted((smk / "incomplete").iterdir()) if (smk / "incomplete").is_dir() else []
+        if not marks:
+            return {}
+        import base64
+        names = []
+        for mark in marks:
+            try:
+                names.append(base64.urlsafe_b64decode(mark.name.encode()).decode())
+            except (ValueError, UnicodeDecodeError):
+                names.append(mark.name)
+        self.rerun_incomplete = "--rerun-incomplete" not in sys.argv and "--ri" not in sys.argv
+        by_stage: dict[str, list[str]] = {}
+        for stage in repo.index.stages:
+            for out in stage.outs:
+                hits = [n for n in names if n == out.def_path or n.startswith(out.def_path.rstrip("/") + "/")]
+                if hits and getattr(stage, "name", None):
+                    by_stage.setdefault(stage.name, []).extend(hits)
+        if self.rerun_incomplete:
+            shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+            self._log(f"integrity: a killed run left incomplete outputs ({shown}): their jobs run again "
+                      "(--rerun-incomplete)")
+        return by_stage
+
     def release(self) -> None:
-        """Give DVC's lock back (before onsuccess records the run through sync_dvc.py, which takes it itself)."""
+        """Give DVC's lock back (at the run's end, or when it fails)."""
         if self._session is not None:
             session, self._session = self._session, None
             session.__exit__(None, None, None)
+
+    def handed_lock(self) -> tuple[int, dict] | None:
+        """(descriptor, environment) with which a child process (the onsuccess commit: sync_dvc.py --commit-lock)
+        shares this run's hold on DVC's lock (subprocess pass_fds): the lock is never free between the run and
+        its record. None when no lock is held."""
+        repo = getattr(self._session, "prefpipe_repo", None)
+        fd = getattr(repo, "prefpipe_lock_fd", None)
+        if fd is None:
+            return None
+        return fd, {**os.environ, HELD_LOCK: f"{fd}:{os.getpid()}"}
+
+    def watch_jobs(self) -> None:
+        """Start the watchdog (`python workflow/integrity.py --watch-jobs-of PID`): when this Snakemake process
+        ends (kill -9 included), whatever it started that still runs (a stage's torchrun and its workers) is
+        terminated, and killed 10 s later if still there: a stage's processes die with the run that started them."""
+        import subprocess
+        read_end, write_end = os.pipe()          # the write end is not inherited: only this process holds it
+        subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--watch-jobs-of", str(os.getpid())],
+                         stdin=read_end, stdout=subprocess.DEVNULL, start_new_session=True)
+        os.close(read_end)
+        RunGuard._watch_pipe = write_end         # kept open for this process's whole life, exec aside
 
     def rerun_forcing(self) -> None:
         """Start this same Snakemake command again with the stale stages added to --forcerun (what the user would
@@ -329,9 +577,101 @@ class RunGuard:
         argv = sys.argv[1:]
         given, _ = get_argument_parser().parse_known_args(argv)
         rules = sorted(set(given.forcerun or []) | set(forced))     # the last --forcerun wins: pass the union
-        self._log(f"integrity: running again as `snakemake {' '.join(argv)} --forcerun {' '.join(rules)}`")
-        self.release()
+        extra = (["--forcerun", *rules] if rules else []) + (["--rerun-incomplete"] if self.rerun_incomplete else [])
+        self._log(f"integrity: running again as `snakemake {' '.join([*argv, *extra])}`")
+        env = {**os.environ, FORCED: ",".join(forced)}
+        handed = self.handed_lock()
+        if handed is not None:                  # DVC's lock stays held across the exec (flock: the open file's)
+            os.set_inheritable(handed[0], True)
+            env[HELD_LOCK] = f"{handed[0]}:{os.getpid()}"
+        else:
+            self.release()
         sys.stdout.flush()
         sys.stderr.flush()
-        os.execve(sys.executable, [sys.executable, "-m", "snakemake", *argv, "--forcerun", *rules],
-                  {**os.environ, FORCED: ",".join(forced)})
+        os.execve(sys.executable, [sys.executable, "-m", "snakemake", *argv, *extra], env)
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of `pid` (every thread's: Snakemake starts jobs from worker threads)."""
+    out: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as f:
+                out += [int(c) for c in f.read().split()]
+    except OSError:
+        pass
+    return out
+
+
+def _start_time(pid: int) -> str | None:
+    """A process's start time in clock ticks (/proc/PID/stat field 22): a PID reused later has another."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _tree(pids: list[int]) -> list[int]:
+    """`pids` and every process below them now (from /proc's parent links)."""
+    parent_of: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent_of[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    found, todo = [], list(pids)
+    while todo:
+        pid = todo.pop()
+        if pid not in found:
+            found.append(pid)
+            todo += [child for child, parent in parent_of.items() if parent == pid]
+    return found
+
+
+def watch_jobs_of(pid: int, poll: float = 0.1, grace: float = 10.0) -> int:
+    """The watchdog's loop (RunGuard.watch_jobs): note `pid`'s children every `poll` seconds until its pipe closes
+    (the process ended or exec'd), then terminate those still running (same start time) and everything below them;
+    kill what is left after `grace` seconds. Only processes noted while `pid` lived are touched, never a process
+    `pid` started after an exec (its own watchdog notes those)."""
+    import select
+    import signal
+    import time
+    noted: dict[int, str] = {}
+    while True:
+        ready, _, _ = select.select([0], [], [], poll)
+        if ready and not os.read(0, 1):
+            break
+        for child in _children(pid):
+            if child not in noted and (started := _start_time(child)) is not None:
+                noted[child] = started
+    alive = [child for child, started in noted.items() if _start_time(child) == started]
+    victims = [p for p in _tree(alive) if p != os.getpid()]
+    if not victims:
+        return 0
+    print(f"integrity: snakemake (pid {pid}) ended with its jobs still running: terminating {len(victims)} "
+          f"processes it started (pids {' '.join(map(str, sorted(victims)))})", file=sys.stderr, flush=True)
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for victim in victims:
+            try:
+                os.kill(victim, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace
+        while sig == signal.SIGTERM and time.monotonic() < deadline and any(_alive(v) and not _zombie(v) for v in victims):
+            time.sleep(0.1)
+    return 0
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--watch-jobs-of":
+    sys.exit(watch_jobs_of(int(sys.argv[2])))

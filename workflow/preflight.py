@@ -56,6 +56,21 @@ def jobs_run_here(workflow) -> bool:
     return False
 
 
+def params_readable(params_path: str = "params.yaml") -> None:
+    """Before Snakemake's `configfile:` reads params.yaml: text that is not UTF-8 is refused in one line (Snakemake
+    would raise a UnicodeDecodeError traceback from its config load)."""
+    try:
+        data = Path(params_path).read_bytes()
+    except FileNotFoundError:
+        return              # Snakemake's own message names the missing config file
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = data[:e.start].count(b"\n") + 1
+        refuse(f"{params_path}: not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}, line {line}): save it "
+               "as UTF-8, e.g. `iconv -f latin1 -t utf-8 params.yaml > p && mv p params.yaml`")
+
+
 def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> dict:
     """The checks above; returns params.yaml as read, or refuses (one line, exit 1)."""
     from stages.lib.cli import one_line

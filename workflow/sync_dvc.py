@@ -166,7 +166,7 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
     Before DVC's own (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db
     then answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the GIL;
     dvc-data hashes in threads only inside a directory of several large files, and a model directory has one)."""
-    from integrity import changed_paths, dvc_session, read_lockfile, stage_changes
+    from integrity import changed_paths, drop_corrupt_objects, dvc_session, read_lockfile, stage_changes
 
     ran = list(dict.fromkeys(ran or []))
     recorded = read_lockfile(root)            # an empty or unparsable dvc.lock is refused, not overwritten blindly
@@ -185,6 +185,17 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
                 raise CommitRefused(f"stage {stage.name} ran but its outputs are missing: {', '.join(missing)}; "
                                     f"nothing recorded (rerun it: snakemake --forcerun {stage.name})")
         others = {name: rec for name, rec in recorded.items() if name in by_name and name not in ran}
+        # The bytes the ran stages read: each input another stage recorded, hashed whole (not through DVC's state
+        # db, which trusts an unchanged inode, mtime and size), must be what dvc.lock records; else nothing is
+        # recorded (refused before any entry is written).
+        misread = read_inputs_changed(repo, built, [by_name[name] for name in others])
+        if misread:
+            raise CommitRefused("; ".join(
+                f"{path} no longer hashes to what {LOCKFILE_NAME} records for stage {producer}, yet {', '.join(readers)} "
+                f"read it (edited in place with its size and mtime kept: DVC's state cache missed it)"
+                for path, (producer, readers) in sorted(misread.items()))
+                + f": nothing recorded; `snakemake --cores N` now reruns "
+                f"{', '.join(sorted({p for p, _ in misread.values()}))} and everything after it")
         _warm_hashes([*built, *(by_name[name] for name in others)], jobs)
         changed = {name: list(changed_paths(ch, "outs", modified_only=True))
                    for name, ch in stage_changes(repo, others).items()}
@@ -192,6 +203,10 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
         # What `dvc commit --force` does per stage (dvc/repo/commit.py): save = hash deps and outs,
         # commit = outs into the cache (and relinked), then the lock entries, all written in one dump.
         for stage in built:
+            for out in stage.outs:        # what `dvc checkout` restored from a corrupt object is rebuilt: store it again
+                for obj in drop_corrupt_objects(out):
+                    print(f"sync_dvc: removed {obj} from DVC's cache: it no longer hashed to its name (stored again "
+                          f"from {stage.name}'s rebuilt output)", file=sys.stderr)
             stage.save()
             stage.commit(relink=True)
         if built:
@@ -202,6 +217,40 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
         raise CommitRefused(f"not recorded in dvc.lock: outputs changed since they were built, and no job of this run "
                             f"wrote them: {lines}")
     return ran
+
+
+LOCKFILE_NAME = "dvc.lock"
+
+
+def read_inputs_changed(repo, built: list, producers: list) -> dict[str, tuple[str, list[str]]]:
+    """{path: (producing stage, [ran stages that read it])} for each input of a `built` stage that a stage in
+    `producers` (recorded, not run now) records as its output and whose bytes, read now, hash to something else.
+    A file found so gets its true hash written into DVC's state db, so that `prefpipe status`, `dvc status` and the
+    next run's start-up check see it as modified from now on."""
+    from dvc_data.hashfile.hash_info import HashInfo
+    from integrity import content_md5, recorded_files
+
+    owner = {out.fs_path: (stage.name, out) for stage in producers for out in stage.outs}
+    found: dict[str, tuple[str, list[str]]] = {}
+    for stage in built:
+        for dep in stage.deps:
+            hit = owner.get(getattr(dep, "fs_path", None))
+            if hit is None:
+                continue
+            producer, out = hit
+            for path, recorded in recorded_files(out):
+                rel = os.path.relpath(path, repo.root_dir)
+                if rel in found:
+                    found[rel][1].append(stage.name)
+                    continue
+                try:
+                    actual = content_md5(path)
+                except FileNotFoundError:
+                    continue            # a missing file: the stage could not have read it (its run failed)
+                if actual != recorded:
+                    found[rel] = (producer, [stage.name])
+                    repo.state.save(path, repo.fs, HashInfo(out.hash_info.name, actual))
+    return found
 
 
 def _dump_lock_atomically(repo, root: Path, stages: list) -> None:

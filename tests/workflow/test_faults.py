@@ -210,3 +210,279 @@ def test_snakemake_and_dvc_repro_never_run_at_once(workspace):
         first.wait(timeout=600)
     assert first.returncode == 0, first.stderr.read()[-3000:]
     assert_is_the_record(repo)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Issue 34: the faults the first pass still let through, each replayed as the issue writes it.
+# ---------------------------------------------------------------------------------------------------------------
+
+def prefpipe_status(repo: Path) -> subprocess.CompletedProcess:
+    return run(repo, sys.executable, "-m", "prefpipe.cli", "status")
+
+
+def lock_md5(repo: Path, stage: str, path: str) -> str:
+    import yaml
+    stages = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    return next(o["md5"] for o in stages[stage]["outs"] if o["path"] == path)
+
+
+def test_an_edit_keeping_size_mtime_and_inode_is_refused_not_packed_and_recorded(workspace):
+    """Item 1: with DVC's state db filled (`prefpipe status`), one digit of normalize_stats.json changed in place,
+    its mtime restored: `snakemake --forcerun report` packed the edited file and recorded the new bundle against the
+    old dep hash, rc 0. Now the commit re-reads the inputs report read, refuses naming the file and the fix, dvc.lock
+    stays the record, and `prefpipe status` says normalize must rerun."""
+    repo = workspace
+    assert prefpipe_status(repo).returncode == 0
+    stats = repo / "results/normalize/normalize_stats.json"
+    original, st = stats.read_bytes(), stats.stat()
+    data = bytearray(original)
+    i = next(i for i, c in enumerate(data) if chr(c).isdigit())
+    data[i] = ord(str((int(chr(data[i])) + 1) % 10))
+    with open(stats, "r+b") as f:              # in place: same inode, same size
+        f.write(bytes(data))
+    os.utime(stats, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (stats.stat().st_ino, stats.stat().st_size, stats.stat().st_mtime_ns) == (st.st_ino, st.st_size, st.st_mtime_ns)
+    try:
+        out = run(repo, "snakemake", "--cores", "1", "--forcerun", "report")
+        assert out.returncode != 0, out.stderr[-3000:]
+        refusal = [line for line in out.stderr.splitlines() if "refused" in line]
+        assert len(refusal) == 1 and "results/normalize/normalize_stats.json" in refusal[0], out.stderr[-3000:]
+        assert "snakemake --cores N" in refusal[0] and "normalize" in refusal[0]
+        assert (repo / "dvc.lock").read_text() == (REPO_ROOT / "dvc.lock").read_text(), "the misread run was recorded"
+        status = prefpipe_status(repo)
+        assert status.returncode == 1, status.stdout
+        assert any(line.startswith("normalize ") and "must rerun" in line and "normalize_stats.json" in line
+                   for line in status.stdout.splitlines()), status.stdout
+    finally:
+        stats.write_bytes(original)            # the right bytes, a new mtime: report (which packed the edit) reruns
+    done = run(repo, "snakemake", "--cores", "1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_is_the_record(repo)
+
+
+def test_a_dvc_lock_that_lost_a_stage_rebuilds_it_instead_of_trusting_its_outputs(workspace):
+    """Item 2: train_rm's entry deleted from dvc.lock (a bad merge) and a bit of its model flipped: judge scored with
+    the corrupted model and metrics/generation.json changed, rc 0. Now train_rm is rebuilt (said so), and the run
+    ends with the committed record: the same entries, metrics/generation.json unchanged."""
+    import yaml
+    repo = workspace
+    lock = (repo / "dvc.lock").read_text()
+    doc = yaml.safe_load(lock)
+    kept, skipping = [], False
+    for line in lock.splitlines(True):         # the entry cut out as text, as a merge leaves the file
+        if line.startswith("  ") and not line.startswith("   ") and line.rstrip().endswith(":"):
+            skipping = line.strip() == "train_rm:"
+        if not skipping:
+            kept.append(line)
+    (repo / "dvc.lock").write_text("".join(kept))
+    assert "train_rm" not in yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    flip_bit(repo / "results/train_rm/model/model.safetensors")
+    status = prefpipe_status(repo)
+    assert status.returncode == 1 and "train_rm      not recorded" in status.stdout, status.stdout
+    done = run(repo, "snakemake", "--cores", "1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "integrity: train_rm must rerun" in done.stderr and "no entry" in done.stderr, done.stderr[-3000:]
+    assert yaml.safe_load((repo / "dvc.lock").read_text()) == doc, "the rebuilt record differs"
+    assert (repo / "metrics/generation.json").read_bytes() == (REPO_ROOT / "metrics/generation.json").read_bytes()
+    # DVC appends a re-added entry at the end: the same record, another order; the committed bytes back.
+    sh("git", "checkout", "--", "dvc.lock", cwd=repo)
+    assert_is_the_record(repo)
+
+
+def test_a_corrupt_cache_object_restored_by_dvc_checkout_is_not_called_up_to_date(workspace):
+    """Item 3: one byte of summary.md's object in .dvc/cache edited, the workspace file deleted, `dvc checkout`:
+    `prefpipe status` said all 12 stages up to date. Now status names the file and the corrupt object, the next run
+    rebuilds report, and the cache holds the right bytes under that name again."""
+    repo = workspace
+    md5 = lock_md5(repo, "report", "results/report/summary.md")
+    obj = repo / ".dvc/cache/files/md5" / md5[:2] / md5[2:]
+    os.chmod(obj, 0o644)
+    flip_bit(obj)
+    (repo / "results/report/summary.md").unlink()
+    sh("dvc", "checkout", "results/report/summary.md", cwd=repo)
+    status = prefpipe_status(repo)
+    assert status.returncode == 1, status.stdout
+    assert "report        must rerun: results/report/summary.md modified: restored from a corrupt cache object" \
+        in status.stdout, status.stdout
+    done = run(repo, "snakemake", "--cores", "1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "integrity: report must rerun" in done.stderr
+    import hashlib
+    assert hashlib.md5(obj.read_bytes()).hexdigest() == md5
+    assert_is_the_record(repo)
+
+
+def _dvc_lock_free(repo: Path) -> bool:
+    """Whether DVC's repository lock (flock on .dvc/tmp/lock) could be taken now (given back at once)."""
+    import fcntl
+    fd = os.open(repo / ".dvc/tmp/lock", os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)                           # closing the only descriptor gives a taken flock back
+    return True
+
+
+def test_dvc_repro_cannot_start_at_any_moment_of_a_snakemake_run(workspace):
+    """Item 4: generation.seed changed, `snakemake --cores 1` started, `dvc repro` 12 s later: both ran generate. The
+    lock was free while the guard started Snakemake again with --forcerun and before the onsuccess commit. Now DVC's
+    lock, probed 20 times a second, is never free from the run's first check until its record is written, and the
+    `dvc repro` is refused, running nothing."""
+    import threading
+    repo = workspace
+    params = (repo / "params.yaml").read_text()
+    gen = params.index("\ngeneration:")
+    seed_at = params.index("  seed: ", gen)
+    line_end = params.index("\n", seed_at)
+    (repo / "params.yaml").write_text(params[:seed_at] + "  seed: 12345" + params[line_end:])
+    lock_inode = (repo / "dvc.lock").stat().st_ino
+    free_seen: list[float] = []
+    proc = subprocess.Popen(["snakemake", "--cores", "1"], cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")})
+    t0 = time.monotonic()
+
+    def probe() -> None:
+        held_once = False
+        while proc.poll() is None and (repo / "dvc.lock").stat().st_ino == lock_inode:
+            free = _dvc_lock_free(repo)
+            held_once = held_once or not free
+            if held_once and free and (repo / "dvc.lock").stat().st_ino == lock_inode and proc.poll() is None:
+                free_seen.append(time.monotonic() - t0)
+            time.sleep(0.05)
+
+    prober = threading.Thread(target=probe)
+    prober.start()
+    try:
+        time.sleep(12)
+        second = run(repo, "dvc", "repro", timeout=120)
+        assert second.returncode != 0, second.stdout[-2000:]
+        assert "Unable to acquire lock" in second.stderr + second.stdout
+        assert "Running stage" not in second.stdout
+        proc.wait(timeout=600)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        prober.join()
+        (repo / "params.yaml").write_text(params)
+    assert proc.returncode == 0, proc.stderr.read()[-3000:]
+    assert not free_seen, f"DVC's lock was free during the run at {free_seen[:5]} s"
+    done = run(repo, "snakemake", "--cores", "1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_is_the_record(repo)
+
+
+def test_snakemake_is_refused_while_a_dvc_repro_stage_command_runs(workspace):
+    """Item 4, the other way round: DVC gives its repository lock back while a stage's command runs, so a Snakemake
+    run started then took it and ran beside `dvc repro`. Now it is refused naming DVC's rwlock, and runs nothing."""
+    repo = workspace
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
+    first = subprocess.Popen(["dvc", "repro", "--force", "--single-item", "report"], cwd=repo, env=env,
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(first, "stages[.]report ")
+        second = run(repo, "snakemake", "--cores", "1", "--forcerun", "report", timeout=120)
+        assert second.returncode != 0
+        assert ".dvc/tmp/rwlock" in second.stderr and "dvc repro" in second.stderr, second.stderr[-2000:]
+        assert "Job stats" not in second.stdout + second.stderr
+    finally:
+        first.wait(timeout=600)
+    assert first.returncode == 0, first.stderr.read()[-3000:]
+    assert_is_the_record(repo)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("stage, sig", [("train_dpo", signal.SIGKILL), ("train_rm", signal.SIGINT)])
+def test_a_killed_snakemake_takes_its_stage_down_and_the_next_run_recovers(workspace, stage, sig):
+    """Items 5 and 6: kill -9 (or Ctrl-C) of snakemake itself during a rerun. The orphaned torchrun trainer wrote
+    every output after its snakemake was gone, and the next run stopped (LockException, IncompleteFilesException)
+    until --unlock and --rerun-incomplete. Now every process the run started is gone within seconds, and the next
+    plain run clears the stale lock, reruns the incomplete job, saying so, and ends with the record."""
+    repo = workspace
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
+    # Its own session, as a terminal's foreground job: Ctrl-C reaches its process group (and Snakemake, cancelling,
+    # signals its jobs' group), never the test runner's.
+    proc = subprocess.Popen(["snakemake", "--cores", "2", "--forcerun", stage], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        _wait_for(proc, f"stages[.]{stage} ")
+        time.sleep(3)
+        started = _descendants(proc.pid)
+        assert any("torchrun" in Path(f"/proc/{p}/cmdline").read_bytes().decode(errors="replace")
+                   for p in started if _running(p))
+        if sig == signal.SIGINT:
+            os.killpg(proc.pid, sig)           # Ctrl-C: the terminal signals the foreground process group
+        else:
+            os.kill(proc.pid, sig)             # kill -9 PID: snakemake alone
+        proc.wait(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + 30
+    while any(_running(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in started if _running(p)]
+    assert not left, f"processes of the killed run still running: {left}"
+    done = run(repo, "snakemake", "--cores", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Nothing to be done" not in done.stdout + done.stderr
+    if sig == signal.SIGKILL:
+        assert "removed Snakemake's lock left by a killed run" in done.stderr, done.stderr[-3000:]
+    assert f"integrity: {stage} must rerun" in done.stderr, done.stderr[-3000:]
+    assert_is_the_record(repo)
+
+
+def test_a_params_yaml_that_is_not_utf8_is_refused_in_one_line(workspace):
+    """Item 8: a Latin-1 byte in params.yaml gave a UnicodeDecodeError traceback from Snakemake's config load."""
+    repo = workspace
+    params = (repo / "params.yaml").read_bytes()
+    (repo / "params.yaml").write_bytes(params.replace(b"\n", "\n# caf\xe9\n".encode("latin-1"), 1))
+    try:
+        out = run(repo, "snakemake", "-n", "--cores", "1")
+    finally:
+        (repo / "params.yaml").write_bytes(params)
+    assert out.returncode == 1
+    assert "Traceback" not in out.stderr and "UnicodeDecodeError" not in out.stderr, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert lines == [lines[0]] and lines[0].startswith("Snakefile: refused: params.yaml: not UTF-8 text (byte 0xe9"), \
+        out.stderr[-2000:]
+    assert_is_the_record(repo)
+
+
+def test_a_probe_larger_than_the_data_is_refused_before_anything_trains(workspace):
+    """Item 10: `probe.size: 100000000` passed the dry run. freeze_probe refuses it in one line naming the numbers and
+    the fix (it counts the distinct prompts before the walk) and no later stage runs; with the size back, the
+    record is rebuilt."""
+    repo = workspace
+    params = (repo / "params.yaml").read_text()
+    probe_at = params.index("\nprobe:")
+    size_at = params.index("  size: ", probe_at)
+    end = params.index("\n", size_at)
+    kept = [repo / "logs/freeze_probe.log", *sorted((repo / "results/probe").iterdir())]
+    saved = {p: (p.read_bytes(), p.stat()) for p in kept}
+    later = {p: p.stat().st_mtime_ns for p in (repo / "results/tokens").iterdir()}
+    (repo / "params.yaml").write_text(params[:size_at] + "  size: 100000000" + params[end:])
+    try:
+        out = run(repo, "snakemake", "--cores", "1")
+        assert out.returncode != 0
+        log = (repo / "logs/freeze_probe.log").read_text()
+        assert "freeze_probe: refused:" in log and "probe.size is 100000000" in log and "lower probe.size" in log, log
+        assert {p: p.stat().st_mtime_ns for p in (repo / "results/tokens").iterdir()} == later, "tokenize ran"
+    finally:
+        # Back as it was, mtimes included (rebuilding freeze_probe would rerun everything after it: minutes).
+        (repo / "params.yaml").write_text(params)
+        for path, (data, st) in saved.items():
+            path.parent.mkdir(parents=True, exist_ok=True)      # Snakemake removed the failed job's outputs
+            path.write_bytes(data)
+            os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    done = run(repo, "snakemake", "--cores", "1")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert_is_the_record(repo)
