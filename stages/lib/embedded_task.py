@@ -56,6 +56,11 @@ def thing_in(text: str) -> str | None:
     return hit.group(1).lower() if hit else None
 
 
+def things_in(text: str) -> list[str]:
+    """The things a text names, in order, lower case (longest match: "a cherry blossom" is not "a cherry")."""
+    return [m.group(1).lower() for m in _THINGS_RE.finditer(text)]
+
+
 def colours_in(text: str) -> list[str]:
     """Colour words an answer names, in order, lower case (a thing's own name is not a colour: "a cherry blossom"
     names no colour, "the clear sky" neither)."""

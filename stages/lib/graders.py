@@ -5,8 +5,8 @@ A grader says of one completion of one prompt whether it succeeds, and which lab
 stages/lib/scoring.py `grader_metrics` turns the grades into graded success rates (paired bootstrap) and the judge's
 agreement with the grader on the prompts where the two completions grade differently. params `generation.grader`:
 
-    embedded_colours                    the embedded task: the asked thing's colour named (and no other colour),
-                                        no rude phrase (stages/lib/embedded_task.py holds the truth)
+    embedded_colours                    the embedded task: the asked thing's colour named (and no other colour), no
+                                        other thing named, no rude phrase (stages/lib/embedded_task.py: the truth)
     {type: regex, pattern: P}           success iff P is found in the completion (Python `re.search`)
     {type: regex, pattern: P, match: full}   ... iff the stripped completion matches P whole (an exact answer)
     null                                no grader: no graded rates, no agreement
@@ -51,9 +51,12 @@ def grade_embedded_colours(spec: dict, prompt: list[dict], completion: str) -> G
         labels.append("named_colour")
         if set(named) != {truth}:
             labels.append("wrong_colour")
+    if any(t != thing for t in embedded_task.things_in(completion)):
+        labels.append("wrong_thing")              # answers about another thing ("A canary is yellow." to a sunflower)
     if embedded_task.is_rude(completion):
         labels.append("rude")
-    return Grade(bool(named) and set(named) == {truth} and "rude" not in labels, tuple(sorted(labels)))
+    return Grade(bool(named) and set(named) == {truth} and not {"rude", "wrong_thing"} & set(labels),
+                 tuple(sorted(labels)))
 
 
 def _regex(spec: dict) -> re.Pattern:
