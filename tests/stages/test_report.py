@@ -43,8 +43,10 @@ SYNTH_OUTS = (["results/probe/probe_manifest.json", "results/tokens/probe_token_
 # What the report rule hashes without packing: every output of the data, reference and token stages and the
 # models, from the pipeline's layout (the list `verify` requires in a manifest); the synthetic inputs stand them in.
 ARTIFACTS = bundle_artifacts(yaml.safe_load((REPO / "params.yaml").read_text()))
+# The sft stage's outputs (params `sft` set): synthetic_probe.py writes them, agreeing with the reference identity.
+SYNTH_OUTS += [p for p, stage in ARTIFACTS.items() if stage == "sft"]
 HASHED_ONLY = [p for p, stage in ARTIFACTS.items() if stage in ("normalize", "freeze_probe", "verify_ref", "tokenize",
-                                                                "ref_logps", "generate")] + ["results/train_dpo/model",
+                                                                "sft", "ref_logps", "generate")] + ["results/train_dpo/model",
                                                                                  "results/train_rm/model"]
 STAND_INS = [p for p in HASHED_ONLY if p not in SYNTH_OUTS]
 REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
@@ -463,7 +465,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
         for line in ("MATCH    evidence/summary.md: remade from the packed metrics",
                      "MATCH    evidence/curves/dpo_train_curves.png: redrawn from results/train_dpo/train_log.csv",
                      "MATCH    evidence/params.yaml (dpo run): the train settings",
-                     "MATCH    evidence/manifest.json artifacts: every artifact of the 11 stages before report",
+                     "MATCH    evidence/manifest.json artifacts: every artifact of the 12 stages before report",
                      "MATCH    evidence/manifest.json evaluation", "MATCH    evidence/manifest.json curves",
                      "MATCH    results/evaluate/bootstrap_summary.json (header)"):
             assert line in out, (line, out)
@@ -542,7 +544,7 @@ def test_verify_requires_the_artifacts_the_objective_implies(tmp_path):
     params["dpo"]["objective"] = "dpo_ref_free"
     repo, bundle = _genuine(tmp_path, params)
     rc, out = _verify(repo, bundle)
-    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 10 stages before report" in out, out
+    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 11 stages before report" in out, out
     rel = "results/ref_logps/ref_logps.parquet"
     (repo / rel).parent.mkdir(parents=True)
     (repo / rel).write_bytes(b"PAR1")
