@@ -722,10 +722,14 @@ def test_the_bundle_packs_the_run_records_and_the_summary_says_what_ran(tmp_path
             "| train | 100 | 100 | 0 | 0 | - |", f"| probe | 64 | 64 | 0 | 0 | - |",
             f"Reference: `{ref['repo_id']}` ({ref['source']}, `{ref['local_dir']}`) at revision `{ref['revision']}` "
             "(pinned), 1 files verified.",
-            f"| dpo | dpo | sigmoid | 0.1 | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |",
+            f"| dpo | dpo | {' + '.join(params['dpo']['loss'])} | 0.1 | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |",
             f"| rm | reward_model | pairwise logistic | - | 0.0003 | 2 | none (full fine-tuning) | 100 | 12 | 1 |"):
         assert line in summary.splitlines(), (line, summary)
     assert "Per-source" not in summary                       # one source: the table above is per source already
+    # the SFT run and its pinned export, named from the packed records
+    sft_line = next(line for line in summary.splitlines() if line.startswith("SFT (completion-only, stage `sft`)"))
+    sft_identity = json.loads((repo / "results/sft/ref_identity.json").read_text())
+    assert f"`{sft_identity['repo_id']}`" in sft_line and sft_identity["revision"] in sft_line
 
 
 def test_a_mixture_gets_per_source_accuracy_from_the_evaluate_bootstrap(tmp_path):
