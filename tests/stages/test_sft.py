@@ -145,7 +145,11 @@ def test_sft_with_lora_on_hh(hh_sft):
 
 @pytest.mark.slow
 def test_sigkill_mid_sft_then_resume_equals_uninterrupted_bitwise(hh_sft):
-    from test_checkpoint import complete_steps, finish, kill_when, launch
+    import importlib.util                    # the real-SIGKILL helpers of tests/engine/test_checkpoint.py
+    spec = importlib.util.spec_from_file_location("ckpt_helpers", REPO_ROOT / "tests/engine/test_checkpoint.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    complete_steps, finish, kill_when, launch = helpers.complete_steps, helpers.finish, helpers.kill_when, helpers.launch
     params = sft_params(hh_sft / "p.yaml", hh_sft / "sft.jsonl", train={"save_every": 2})
     finish(launch(1, "stages.sft", sft_args(hh_sft, "full", params, ["--checkpoint-dir", str(hh_sft / "ck_full")])))
     ck = hh_sft / "ck"
