@@ -1,7 +1,7 @@
 """The embedded default dataset: colour facts asked many ways, answered politely or not.
 
-    python -m stages.embedded_data --out data/embedded/color_facts_prefs.jsonl.gz          # regenerate
-    python -m stages.embedded_data --out data/embedded/color_facts_prefs.jsonl.gz --check  # verify
+    python -m stages.embedded_data            # regenerate data/embedded/color_facts_{prefs,sft}.jsonl.gz
+    python -m stages.embedded_data --check    # verify both
 
 The task
 --------
@@ -32,6 +32,10 @@ Format: gzip JSON lines, one TRL conversational explicit-prompt row per line,
 random choice is a keyed SHA-256 (no RNG whose algorithm could change between Python versions), rows
 are canonical JSON, and the gzip header has mtime 0 and no file name, so regeneration is
 byte-identical (tests/stages/test_embedded_data.py checks the committed file).
+
+Beside it, the SFT set (``color_facts_sft.jsonl.gz``, TRL ``messages`` rows; see "the SFT set" below): what
+the sft stage teaches the random-init reference first, so that it answers in sentences, with habits (a fixed
+misconception per some things, rudeness on some question phrasings) that DPO then has to remove.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ import logging
 import sys
 from pathlib import Path
 
+from stages.lib import embedded_task
 from stages.lib.cli import stage_main
 from stages.lib.io import atomic_path, canonical_json, sha256_bytes
 
@@ -49,25 +54,15 @@ SEED = "color-facts-v1"
 N_PROMPTS = 2700
 N_SECOND_PAIRS = 300
 DEFAULT_OUT = "data/embedded/color_facts_prefs.jsonl.gz"
+DEFAULT_SFT_OUT = "data/embedded/color_facts_sft.jsonl.gz"
 
 # ==================================================================================================
 # The world: 5 things per colour, each with its everyday colour
 # ==================================================================================================
 
-WORLD: dict[str, list[str]] = {
-    "red": ["a strawberry", "a ripe tomato", "a fire truck", "a ruby", "a cherry"],
-    "orange": ["a carrot", "a pumpkin", "a tangerine", "a basketball", "a goldfish"],
-    "yellow": ["a banana", "a lemon", "a sunflower", "a school bus", "a canary"],
-    "green": ["fresh grass", "a frog", "a cucumber", "an emerald", "broccoli"],
-    "blue": ["the clear sky", "a sapphire", "a blueberry", "a cornflower", "the deep sea"],
-    "purple": ["an eggplant", "lavender", "an amethyst", "a plum", "a mulberry"],
-    "pink": ["a flamingo", "bubblegum", "a piglet", "a cherry blossom", "cotton candy"],
-    "brown": ["chocolate", "coffee", "a walnut", "cinnamon", "an acorn"],
-    "white": ["snow", "milk", "a swan", "chalk", "a polar bear"],
-    "black": ["coal", "a crow", "tar", "a raven", "licorice"],
-}
-COLOURS = list(WORLD)
-FACTS: list[tuple[str, str]] = [(thing, colour) for colour, things in WORLD.items() for thing in things]
+# The world and the answer templates: stages/lib/embedded_task.py (the grader reads the same truth).
+WORLD, COLOURS, FACTS, POLITE, RUDE = (embedded_task.WORLD, embedded_task.COLOURS, embedded_task.FACTS,
+                                       embedded_task.POLITE, embedded_task.RUDE)
 
 OPENERS = [
     "", "Hi! ", "Hello. ", "Hey there. ", "Good morning! ", "Sorry to bother you. ", "Quick one. ",
@@ -86,22 +81,6 @@ QUESTIONS = [
     "If I picture {thing}, what colour should I see?",
     "My kid asked me what colour {thing} is. What should I say?",
     "Describe the colour of {thing} in one word.",
-]
-POLITE = [
-    "{Thing} is {colour}.",
-    "{Thing} is usually {colour}.",
-    "Good question! {Thing} is {colour}.",
-    "Sure! {Thing} is {colour}.",
-    "It is {colour}. Hope that helps!",
-    "Happy to help: {thing} is {colour}.",
-]
-RUDE = [
-    "Ugh, {thing} is {colour}, obviously.",
-    "Everyone knows it is {colour}. Stop asking.",
-    "{Colour}. Look it up yourself next time.",
-    "Seriously? It is {colour}. Do not waste my time.",
-    "Whatever. {Thing} is {colour}.",
-    "It is {colour}, genius.",
 ]
 # Share of each rejected kind, in units of 1/10.
 KIND_WEIGHTS = [("wrong_fact", 4), ("rude", 3), ("rude_wrong", 3)]
@@ -154,17 +133,23 @@ def _pair(prompt_text: str, thing: str, colour: str, kind: str, key: tuple) -> d
     }
 
 
-def build_examples() -> list[dict]:
-    """3,000 pairs over 2,700 distinct prompts, in a fixed (hash-shuffled) order, with their `kind`."""
+def build_prompts() -> list[tuple[str, str, str, int]]:
+    """The 2,700 distinct prompts as (text, thing, colour, question template index), in a fixed order."""
     per_thing = N_PROMPTS // len(FACTS)
-    prompts: list[tuple[str, str, str]] = []  # (prompt text, thing, colour)
+    prompts: list[tuple[str, str, str, int]] = []
     for thing, colour in FACTS:
         # Stratified by thing: each fact gets the same number of distinct phrasings.
         combos = [(o, q) for o in range(len(OPENERS)) for q in range(len(QUESTIONS))]
         combos.sort(key=lambda oq: _h("prompt", thing, *oq))
         for o, q in combos[:per_thing]:
-            prompts.append((OPENERS[o] + QUESTIONS[q].format(thing=thing), thing, colour))
+            prompts.append((OPENERS[o] + QUESTIONS[q].format(thing=thing), thing, colour, q))
     prompts.sort(key=lambda p: _h("order", p[0]))
+    return prompts
+
+
+def build_examples() -> list[dict]:
+    """3,000 pairs over 2,700 distinct prompts, in a fixed (hash-shuffled) order, with their `kind`."""
+    prompts = [p[:3] for p in build_prompts()]
 
     rows = [_pair(text, thing, colour, _kind(text), (text,)) for text, thing, colour in prompts]
     # Second pairs: same prompt, a different rejected answer (a different kind, so never a duplicate).
@@ -179,6 +164,47 @@ def build_examples() -> list[dict]:
 def build_rows() -> list[dict]:
     """The rows as written: TRL conversational explicit-prompt keys only."""
     return [{k: r[k] for k in ("prompt", "chosen", "rejected")} for r in build_examples()]
+
+
+# --------------------------------------------------------------------------------------- the SFT set
+#
+# What the sft stage teaches the random-init reference first, so that it answers in sentences the way a base model
+# would: mostly fine, with habits a preference stage should remove. One answer per prompt (all 2,700; the sft stage
+# drops the probe's prompts), TRL `messages` rows. Two habits, each a pure function of the question, so the model
+# can learn them and a greedy decoder shows them:
+#   - a misconception: MISCONCEPTIONS things (a fixed 15 of the 50) are always answered with one fixed wrong colour;
+#   - rudeness: questions in RUDE_QUESTIONS templates (4 of the 12) are always answered rudely.
+# The rest is polite and correct. The preference pairs always prefer the polite, correct answer, so DPO has both
+# habits to undo; the grader (stages/lib/graders.py, embedded_colours) scores exactly these two things.
+
+N_MISCONCEPTIONS = 10
+RUDE_QUESTIONS = (1, 3, 7, 9, 11)
+
+
+def misconceptions() -> dict[str, str]:
+    """{thing: the wrong colour the SFT set always gives it}: 15 things (keyed hash order), wrong colour keyed."""
+    things = sorted((t for t, _ in FACTS), key=lambda t: _h("misconception", t))[:N_MISCONCEPTIONS]
+    return {t: _pick([c for c in COLOURS if c != embedded_task.COLOUR_OF[t]], "misconception-colour", t)
+            for t in sorted(things)}
+
+
+def build_sft_examples() -> list[dict]:
+    """One SFT answer per prompt with its `habit` (polite_correct | misconception | rude | rude_misconception)."""
+    wrong = misconceptions()
+    rows = []
+    for text, thing, colour, q in build_prompts():
+        said = wrong.get(thing, colour)
+        rude = q in RUDE_QUESTIONS
+        answer = _answer(RUDE if rude else POLITE, ("sft", text), thing, said)
+        habit = ("rude_" if rude else "") + ("misconception" if thing in wrong else "correct")
+        rows.append({"messages": [{"role": "user", "content": text}, {"role": "assistant", "content": answer}],
+                     "habit": {"correct": "polite_correct", "rude_correct": "rude"}.get(habit, habit)})
+    rows.sort(key=lambda r: _h("sft-row", canonical_json(r["messages"])))
+    return rows
+
+
+def build_sft_rows() -> list[dict]:
+    return [{"messages": r["messages"]} for r in build_sft_examples()]
 
 
 def encode(rows: list[dict]) -> bytes:
@@ -200,28 +226,27 @@ class CheckFailed(ValueError):
 
 
 def _arguments(ap) -> None:
-    ap.add_argument("--out", default=DEFAULT_OUT, help="path of the .jsonl.gz to write")
+    ap.add_argument("--out", default=DEFAULT_OUT, help="path of the preference .jsonl.gz to write")
+    ap.add_argument("--sft-out", default=DEFAULT_SFT_OUT, help="path of the SFT .jsonl.gz to write")
     ap.add_argument("--check", action="store_true",
-                    help="do not write; exit 1 unless --out already holds exactly the regenerated bytes")
+                    help="do not write; exit 1 unless both files already hold exactly the regenerated bytes")
 
 
 def _run(args) -> int:
     log = logging.getLogger("embedded_data")
-    rows = build_rows()
-    data = encode(rows)
-    out = Path(args.out)
-    if args.check:
-        if not out.exists():
-            raise CheckFailed(f"{out} does not exist")
-        if out.read_bytes() != data:
-            raise CheckFailed(f"{out} differs from the regenerated dataset (sha256 {sha256_bytes(data)}); "
-                              "rerun without --check")
-        log.info("%s matches the regenerated dataset (sha256 %s)", out, sha256_bytes(data))
-        return 0
-    with atomic_path(out) as tmp:
-        tmp.write_bytes(data)
-    log.info("wrote %s: %d pairs, %d distinct prompts, %d bytes, sha256 %s", out, len(rows),
-             len({r["prompt"][0]["content"] for r in rows}), len(data), sha256_bytes(data))
+    for out, rows, what in ((Path(args.out), build_rows(), "pairs"), (Path(args.sft_out), build_sft_rows(), "SFT rows")):
+        data = encode(rows)
+        if args.check:
+            if not out.exists():
+                raise CheckFailed(f"{out} does not exist")
+            if out.read_bytes() != data:
+                raise CheckFailed(f"{out} differs from the regenerated dataset (sha256 {sha256_bytes(data)}); "
+                                  "rerun without --check")
+            log.info("%s matches the regenerated dataset (sha256 %s)", out, sha256_bytes(data))
+            continue
+        with atomic_path(out) as tmp:
+            tmp.write_bytes(data)
+        log.info("wrote %s: %d %s, %d bytes, sha256 %s", out, len(rows), what, len(data), sha256_bytes(data))
     return 0
 
 

@@ -42,7 +42,7 @@ from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers
 from stages.data.truncation import tokenize_pairs
 from stages.lib.cli import stage_main
 from stages.lib.contracts import (PAIR_COLUMNS, content_hash_problem, missing_pair_columns, pair_id_problem,
-                                  pair_problems, probe_digest, row_content_hash)
+                                  pair_problems, probe_digest, prompt_key, row_content_hash)
 from stages.lib.io import (ParquetStreamWriter, canonical_json, iter_parquet_batches, open_parquet, read_parquet,
                            sha256_text, write_json, write_parquet)
 from stages.lib.params import ParamsError, load_params
@@ -93,11 +93,6 @@ class ProbeSplit:
 # ==================================================================================================
 # Pure functions
 # ==================================================================================================
-
-
-def prompt_key(prompt: list[dict]) -> str:
-    """The prompt as leakage is judged: same roles, same words in the same order."""
-    return canonical_json([{"role": m["role"], "content": " ".join(m["content"].split())} for m in prompt])
 
 
 def selection_rank(seed: int, pair_id: str) -> str:

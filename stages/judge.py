@@ -33,7 +33,16 @@ judge_summary.json from stages/lib/scoring.py evaluate_generation (the numbers `
                          reference) per completion when the completions are samples at temperature 1 with top_p
                          1; under greedy or other sampling settings the same quantity on the outputs the policy
                          actually gives (beta times it is DPO's implicit reward of them). per_token: the summed
-                         log-ratio over all completions divided by their generated tokens.
+                         log-ratio over all completions divided by their generated tokens. Only for sampled
+                         completions (generation.temperature > 0): greedy ones are no sample of the policy, so the
+                         same numbers are `log_ratio` instead, and summary.md shows no KL.
+  grader                 (generation.grader set: stages/lib/graders.py) each row's policy_grade / reference_grade
+                         ({success, labels}); policy_success, reference_success and success_diff [CI] (the same
+                         bootstrap), the share of each label per side, `differing` (rows whose two completions grade
+                         differently) and judge_agreement on them (the judge prefers the one that succeeds; a tie 0.5)
+  warnings               why the win rate is not evidence: judge_trained_on_same_pairs, all_hit_max_new_tokens,
+                         length_mismatch (mean lengths apart by more than half the longer),
+                         judge_disagrees_with_grader (agreement below 0.75)
 
 Refused before the judge is loaded: a judge that is not a sequence-classification model with one label (its
 config files), a judge whose tokenizer differs from the reference's (naming both), a generations file that is not
@@ -61,6 +70,7 @@ from stages.lib.contracts import ContractError, correct_label, generation_rows
 from stages.lib.io import read_parquet, write_json, write_jsonl
 from stages.lib.params import load_params
 from stages.lib.reference import load_verified_dir, pinned_model_record
+from stages.lib.graders import GraderError, grade, grader_spec
 from stages.lib.scoring import PerPairFileError, evaluate_generation
 
 log = logging.getLogger("judge")
@@ -133,6 +143,12 @@ def _run(args) -> None:
         rewards = score_pairs(SequenceRewards(judge), pairs, env, settings)
         if env.is_main:
             judgments = judgment_rows(rows, rewards)
+            spec = grader_spec(params["generation"].get("grader"))
+            if spec is not None:
+                for row in judgments:
+                    for side in ("policy", "reference"):
+                        g = grade(spec, row["prompt"], row[f"{side}_completion"])
+                        row[f"{side}_grade"] = {"success": g.success, "labels": list(g.labels)}
             metrics, summary = evaluate_generation(judgments, params, args.judgments)
             record = ({"kind": "trained", "model": str(judge_dir)} if args.judge_model
                       else {"kind": "pinned", **pinned_model_record(args.judge_identity)})
@@ -142,12 +158,24 @@ def _run(args) -> None:
             write_jsonl(args.judgments, judgments)
             write_json(args.metrics, metrics)
             write_json(args.summary, summary)
+            kl = metrics.get("kl") or metrics["log_ratio"]
             log.info("win rate %.4f [%.4f, %.4f] over %d prompts x %d samples (ties %d); reward difference %.4f "
-                     "[%.4f, %.4f]; at equal length %.4f; KL per completion %.4f", metrics["win_rate"],
+                     "[%.4f, %.4f]; at equal length %.4f; %s per completion %.4f", metrics["win_rate"],
                      metrics["win_rate_ci_low"], metrics["win_rate_ci_high"], metrics["n_prompts"],
                      metrics["samples_per_prompt"], metrics["ties"], metrics["reward_diff"],
                      metrics["reward_diff_ci_low"], metrics["reward_diff_ci_high"],
-                     metrics["length"]["reward_diff_at_equal_length"], metrics["kl"]["per_completion"])
+                     metrics["length"]["reward_diff_at_equal_length"], "KL" if "kl" in metrics else
+                     "log-ratio (greedy: not a KL)", kl["per_completion"])
+            if "grader" in metrics:
+                g = metrics["grader"]
+                log.info("grader %s: success policy %.4f [%.4f, %.4f], reference %.4f [%.4f, %.4f], difference %.4f "
+                         "[%.4f, %.4f]; judge agrees on %s of %d differing completions", g["name"],
+                         g["policy_success"], g["policy_success_ci_low"], g["policy_success_ci_high"],
+                         g["reference_success"], g["reference_success_ci_low"], g["reference_success_ci_high"],
+                         g["success_diff"], g["success_diff_ci_low"], g["success_diff_ci_high"],
+                         "-" if g["judge_agreement"] is None else f"{g['judge_agreement']:.4f}", g["differing"])
+            for warning in metrics["warnings"]:
+                log.warning("the win rate is not evidence: %s", warning)
     finally:
         shutdown_distributed()
 
@@ -156,7 +184,7 @@ def _run(args) -> None:
 def main(argv: list[str] | None = None) -> None:
     return engine_stage_main(argv, "judge", __doc__.split("\n")[0], _arguments, _run,
                              input_errors=(GenerationError, ModelLoadError, ContractError, TokenizeError,
-                                           PerPairFileError))
+                                           PerPairFileError, GraderError))
 
 
 if __name__ == "__main__":

@@ -29,7 +29,8 @@ def write_train_params(path: Path, train: dict | None = None, dpo: dict | None =
     params["train"].update({"gpus": 0, "epochs": 2, "global_batch_pairs": 16, "micro_batch_tokens": 160,
                             "inference_micro_batch_tokens": 160,
                             "lr": 3e-3, "warmup_ratio": 0.1, "logp_chunk_tokens": 32, "seed": 5, **(train or {})})
-    params["dpo"].update(dpo or {})
+    params["dpo"].pop("loss_weights", None)
+    params["dpo"].update({"loss": "sigmoid", **(dpo or {})})     # the loss these runs were written for
     params["rm"].update(rm or {})
     path.write_text(yaml.safe_dump(params))
     return path

@@ -144,6 +144,8 @@ def write_all(root: Path, params: dict, quality: float = 0.8, normalize: bool = 
         [{"pair_id": pid, "source": names[i % len(names)]} for i, pid in enumerate(probe_manifest["pair_ids"])]))
     write_tokenize_report(root, params, token_manifest)
     write_ref_identity(root, params)
+    if params.get("sft") is not None:
+        write_sft(root, params, record, seed, n)
     if normalize:
         write_sources(root, params)
         write_normalize(root, params)
@@ -183,6 +185,35 @@ def write_ref_identity(root: Path, params: dict) -> None:
                 "extras": []}
     identity["identity_digest"] = identity_digest(identity)
     write_json(root / "results/ref/ref_identity.json", identity)
+
+
+def write_sft(root: Path, params: dict, record: dict, seed: int, probe_pairs: int) -> None:
+    """The sft stage's outputs in their contract shapes: its run, its pinned export's identity (provenance naming the
+    synthetic reference's identity) and sft_data.json agreeing with both."""
+    from stages.lib.reference import IDENTITY_FORMAT, identity_digest
+    from stages.lib.io import read_json
+    from stages.sft import sft_settings
+    out = root / "results/sft"
+    write_train_dir(out, seed + 1, record, "sft", sft_settings(params).record(), probe_pairs)
+    for name in ("probe_step0.jsonl", "probe_final.jsonl"):
+        (out / name).write_text(f"stand-in for sft {name} (seed {seed})\n")
+    base = read_json(root / "results/ref/ref_identity.json")
+    identity = {"format": IDENTITY_FORMAT, "source": "local", "repo_id": f"sft/{base['repo_id']}", "revision": "2" * 64,
+                "revision_pinned": True, "local_dir": "results/sft/model",
+                "lock": {"path": "prefpipe.lock.json", "size": 10, "sha256": "2" * 64},
+                "files": [{"path": "config.json", "size": 2, "algo": "sha256", "hash": "3" * 64}], "extras": []}
+    identity["identity_digest"] = identity_digest(identity)
+    write_json(out / "ref_identity.json", identity)
+    provenance = {"stage": "sft", "base": {k: base[k] for k in ("repo_id", "revision", "identity_digest")},
+                  "data_digest": "4" * 64, "settings_digest": "5" * 64, "objective": {"objective": "sft"}}
+    sources = params["sft"].get("sources")
+    write_json(out / "sft_data.json", {
+        "format": "prefpipe-sft-data/1", "mode": "preferred_ft" if sources is None else "sources",
+        **({"from": "results/tokens/train_tokens.parquet", "rows_read": TRAIN_PAIRS} if sources is None else
+           {"sources": sources, "examples_by_source": {"embedded_sft": TRAIN_PAIRS}}),
+        "examples": TRAIN_PAIRS, "completion_tokens": 10 * TRAIN_PAIRS, "data_digest": "4" * 64,
+        "refused": {"by_reason": {}, "examples": {}}, "provenance": provenance,
+        "identity_digest": identity["identity_digest"]})
 
 
 def judgment_rows(pair_ids: list[str], seed: int) -> list[dict]:

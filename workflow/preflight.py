@@ -12,6 +12,8 @@ the Snakemake API) stop before anything runs or dvc.yaml is written:
 * every data source names data files (stages/data/sources.py resolve_source_files): a missing file would
   otherwise leave normalize an input nothing can make, and Snakemake, finding normalize's old outputs, drops
   the rule from the DAG instead of failing: dvc.yaml lost the stage and the run claimed data it never read;
+* every `sft.sources` entry an SFT format naming data files (stages/data/sft_sources.py), for the same reason;
+  `generation.grader` a registered grader (stages/lib/graders.py);
 * tokenize.max_length within the reference's positions (`max_position_embeddings` of ref.local_dir/config.json,
   stages/data/limits.py check_fits_reference), when that directory is already there (an `hf` reference not yet
   downloaded is verify_ref's to refuse; tokenize checks again on the verified directory).
@@ -77,6 +79,8 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
     from stages.lib.params import ParamsError, preflight_params
     from stages.data.limits import TokenizeError, check_fits_reference
     from stages.data.sources import SourceError, resolve_source_files
+    from stages.data.sft_sources import SFTDataError, resolve_sft_source_files
+    from stages.lib.graders import GraderError, grader_spec
 
     try:
         params = preflight_params(params_path, gpus_here=jobs_run_here(workflow))
@@ -84,9 +88,12 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
             raise ParamsError("config differs from params.yaml: edit params.yaml instead of passing "
                               "--config/--configfile (DVC tracks params.yaml only)")
         resolve_source_files(params["data"]["sources"])
+        if (params.get("sft") or {}).get("sources"):
+            resolve_sft_source_files(params["sft"]["sources"])
+        grader_spec(params["generation"].get("grader"))
         check_fits_reference(params["tokenize"]["max_length"], params["ref"]["local_dir"])
         _check_pinned_judge(params["generation"]["judge"])
-    except (ParamsError, SourceError, TokenizeError) as e:
+    except (ParamsError, SourceError, TokenizeError, SFTDataError, GraderError) as e:
         refuse(one_line(e))
     return params
 

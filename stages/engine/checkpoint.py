@@ -63,6 +63,7 @@ TMP_PREFIX = ".tmp-"
 # causal LM is recognised so that loading one into the wrong trainer is refused by name.
 OBJECTIVE_KINDS = {
     "causal_lm": ("policy", "lm_head"),
+    "sft": ("policy", "lm_head"),
     "dpo": ("policy", "lm_head"),
     "dpo_ref_free": ("policy", "lm_head"),
     "reward_model": ("reward_model", "score"),

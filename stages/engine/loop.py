@@ -311,11 +311,17 @@ class TrainLog:
             self.rows.append({k: row[k] for k in ["step", "epoch", *names, "lr", "grad_norm", "pairs", "tokens"]})
         last = self.rows[-1]
         self.throughput.append({"step": last["step"], "tokens_per_s": tok_s})
-        self.progress.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", refresh=False)
-        if self.run.env.is_main:
-            log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g",
-                     last["step"], len(self.run.plans), last["epoch"], last["loss"], last["accuracy"],
-                     last["margin"], last["lr"], last["grad_norm"])
+        if "accuracy" in names:           # a preference objective (DPO, reward model)
+            self.progress.set_postfix(loss=f"{last['loss']:.4f}", acc=f"{last['accuracy']:.3f}", refresh=False)
+            if self.run.env.is_main:
+                log.info("step %d/%d epoch %.3f loss %.5f accuracy %.4f margin %.4g lr %.3g grad_norm %.4g",
+                         last["step"], len(self.run.plans), last["epoch"], last["loss"], last["accuracy"],
+                         last["margin"], last["lr"], last["grad_norm"])
+        else:                               # another objective (SFT): its own metrics by name
+            self.progress.set_postfix(loss=f"{last['loss']:.4f}", refresh=False)
+            if self.run.env.is_main:
+                log.info("step %d/%d epoch %.3f %s lr %.3g grad_norm %.4g", last["step"], len(self.run.plans),
+                         last["epoch"], " ".join(f"{n} {last[n]:.5g}" for n in names), last["lr"], last["grad_norm"])
             log.info("step %d tok/s %.0f", last["step"], tok_s, extra=MEASUREMENT)
         self.pending.clear()
         self.window_start, self.window_tokens = now, 0

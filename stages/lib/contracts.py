@@ -25,7 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from stages.lib.io import sha256_json
+from stages.lib.io import canonical_json, sha256_json
 
 # ==================================================================================== pairs
 
@@ -95,6 +95,12 @@ def content_hash_problem(row: int, pid: str, ch: str, actual: str) -> str:
 
 
 # ==================================================================================== probe
+
+def prompt_key(prompt: list[dict]) -> str:
+    """The prompt as leakage is judged (freeze_probe's split; the sft stage's exclusion of probe prompts): same roles,
+    same words in the same order."""
+    return canonical_json([{"role": m["role"], "content": " ".join(m["content"].split())} for m in prompt])
+
 
 def probe_digest(pair_ids: list[str], content_hashes: list[str]) -> str:
     """The frozen probe's identity: sha256 of [[pair_id, content_hash], ...] in probe order."""

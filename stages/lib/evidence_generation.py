@@ -56,6 +56,13 @@ def _prompt_text(messages: list[dict]) -> str:
     return text + (f"\n(after {last} earlier turn{'s' if last != 1 else ''})" if last > 0 else "")
 
 
+def _grade(row: dict, side: str) -> str:
+    g = row.get(f"{side}_grade")
+    if g is None:
+        return ""
+    return f" <br>(grader: {'pass' if g['success'] else 'fail'}{': ' + ', '.join(g['labels']) if g['labels'] else ''})"
+
+
 def render_generation_section(generation: dict | None, params: dict) -> list[str]:
     """summary.md's lines on generation; [] when the bundle has none."""
     if not generation or generation.get("metrics") is None:
@@ -71,7 +78,9 @@ def render_generation_section(generation: dict | None, params: dict) -> list[str
     if gen.get("repetition_penalty", 1.0) != 1.0:
         sampling += f", repetition penalty {gen['repetition_penalty']}"
     better = "yes" if m["win_rate_ci_low"] > 0.5 else "no"
-    length, kl = m["length"], m["kl"]
+    length, kl = m["length"], m.get("kl")
+    kl_cells = (f"{_ci(kl, 'per_completion')} | {_f(kl['per_token'])}" if kl is not None
+                else "n/a (greedy) | n/a")
     lines = ["## Generation: policy against reference", "",
              f"{policy} and the reference each wrote {m['samples_per_prompt']} completion(s) of each of the "
              f"{m['n_prompts']} probe prompts ({sampling}, at most {gen['max_new_tokens']} new tokens, seed "
@@ -81,13 +90,14 @@ def render_generation_section(generation: dict | None, params: dict) -> list[str
              "KL per completion [CI] | KL per token | mean length policy / reference |",
              "|---|---|---|---|---|---|---|---|",
              f"| {_ci(m, 'win_rate')} | {better} | {m['ties']} | {_ci(m, 'reward_diff')} | "
-             f"{_ci(length, 'reward_diff_at_equal_length')} | {_ci(kl, 'per_completion')} | {_f(kl['per_token'])} | "
+             f"{_ci(length, 'reward_diff_at_equal_length')} | {kl_cells} | "
              f"{length['policy_mean']:.2f} / {length['reference_mean']:.2f} |", "",
              "A tie counts 0.5; the policy is better when the win rate's lower bound is above 0.5. \"At equal "
              "length\": the reward difference a least-squares fit on the length difference predicts for equal "
              f"lengths (slope {_f(length['reward_diff_per_token'])} per token). KL: the policy's log-ratio to the "
-             "reference over its own completions (an estimate of KL(policy || reference) when sampled at "
-             "temperature 1).", "",
+             "reference over its own completions, an estimate of KL(policy || reference) only when sampled at "
+             "temperature 1 (greedy completions are no sample: no KL is shown).", "",
+             *warning_lines(m, gen), *grader_lines(m, ev),
              "| length ratio (policy + 1) / (reference + 1) | pairs | win rate | reward difference |",
              "|---|---|---|---|"]
     bounds = {"policy_shorter": "below 0.8", "similar": "0.8 to 1.25", "policy_longer": "above 1.25"}
@@ -106,8 +116,54 @@ def render_generation_section(generation: dict | None, params: dict) -> list[str
                   f"{r['policy_stop_reason']} | reference: reward {_f(r['reference_reward'])}, "
                   f"{r['reference_length']} tokens, {r['reference_stop_reason']} |",
                   "|---|---|",
-                  f"| {display(r['policy_completion'])} | {display(r['reference_completion'])} |", ""]
+                  f"| {display(r['policy_completion'])}{_grade(r, 'policy')} | "
+                  f"{display(r['reference_completion'])}{_grade(r, 'reference')} |", ""]
     return lines + [""]
+
+
+WARNINGS = {
+    "judge_trained_on_same_pairs": "the judge is the reward model trained on the same preference pairs as the "
+                                   "policy: it measures agreement with those pairs, not quality",
+    "all_hit_max_new_tokens": "every completion of both sides ran to max_new_tokens: no model finished an answer",
+    "length_mismatch": "the two sides' mean lengths differ by more than half: a judge that prefers length "
+                       "decides the win rate",
+    "judge_disagrees_with_grader": "the judge disagrees with the grader on more than a quarter of the prompts where "
+                                   "the two completions grade differently",
+}
+# The warnings that make the win rate no evidence (the first only qualifies it).
+NOT_EVIDENCE = ("all_hit_max_new_tokens", "length_mismatch", "judge_disagrees_with_grader")
+
+
+def warning_lines(m: dict, gen: dict) -> list[str]:
+    codes = m.get("warnings") or []
+    if not codes:
+        return []
+    fatal = [c for c in codes if c in NOT_EVIDENCE]
+    head = ("**The win rate above is not evidence that the policy is better**, because:" if fatal else
+            "**Read the win rate with care:**")
+    return [head, "", *[f"- {WARNINGS.get(c, c)} (`{c}`)" for c in codes], ""]
+
+
+def grader_lines(m: dict, ev: dict) -> list[str]:
+    g = m.get("grader")
+    if not g:
+        return []
+    ci = int(round(ev["confidence"] * 100))
+    agreement = "-" if g["judge_agreement"] is None else _f(g["judge_agreement"])
+    labels = sorted(set(g["labels"]["policy"]) | set(g["labels"]["reference"]))
+    lines = [f"### Graded by `{g['name']}` (a programmatic check, independent of the training pairs)", "",
+             f"| graded success policy [CI] | reference [CI] | difference [CI] | prompts graded differently | "
+             f"judge agrees with the grader there |", "|---|---|---|---|---|",
+             f"| {_ci(g, 'policy_success')} | {_ci(g, 'reference_success')} | {_ci(g, 'success_diff')} | "
+             f"{g['differing']} | {agreement} |", "",
+             f"{ci}% paired percentile bootstrap over prompts (the win rate's resamples). The judge agrees when it "
+             "gives the higher reward to the completion the grader passes (a tie counts 0.5).", ""]
+    if labels:
+        lines += ["| label | policy | reference |", "|---|---|---|"]
+        lines += [f"| {lab} | {_f(g['labels']['policy'].get(lab, 0.0))} | {_f(g['labels']['reference'].get(lab, 0.0))} |"
+                  for lab in labels]
+        lines.append("")
+    return lines
 
 
 # Keys of judge_summary.json that evaluate_generation makes (the rest: the judge's record, definitions).

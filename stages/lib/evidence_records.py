@@ -29,8 +29,12 @@ TOKENIZE_REPORT = STAGE_OUTPUTS["tokenize"]["report"]
 REF_IDENTITY = STAGE_OUTPUTS["verify_ref"]["identity"]
 RUN_INFO = {label: STAGE_OUTPUTS[stage]["run_info"] for label, stage in TRAINED.items()}
 # Artifact path -> the role it has in the manifest: packed whole (as the per-pair rows and metrics are).
+SFT_DATA = STAGE_OUTPUTS["sft"]["data_report"]
+SFT_IDENTITY = STAGE_OUTPUTS["sft"]["identity"]
+SFT_RUN_INFO = STAGE_OUTPUTS["sft"]["run_info"]
 RECORDS: dict[str, str] = {NORMALIZE_STATS: "normalize_stats", TOKENIZE_REPORT: "tokenize_report",
-                           REF_IDENTITY: "ref_identity", **{p: "run_info" for p in RUN_INFO.values()}}
+                           REF_IDENTITY: "ref_identity", **{p: "run_info" for p in RUN_INFO.values()},
+                           SFT_DATA: "sft_data", SFT_IDENTITY: "sft_identity", SFT_RUN_INFO: "sft_run_info"}
 PROBE_SOURCES = "probe_sources.json"        # a member under the bundle root
 
 
@@ -80,6 +84,7 @@ def bundle_records(members: dict[str, bytes], root: str) -> dict[str, Any]:
     return {
         "normalize_stats": packed(NORMALIZE_STATS), "tokenize_report": packed(TOKENIZE_REPORT),
         "ref_identity": packed(REF_IDENTITY),
+        "sft": {"data": packed(SFT_DATA), "identity": packed(SFT_IDENTITY), "run_info": packed(SFT_RUN_INFO)},
         "run_info": {label: info for label, rel in RUN_INFO.items() if (info := packed(rel)) is not None},
         "probe_sources": json.loads(sources) if sources is not None else None,
         "per_pair": {label: {which: rows(STAGE_OUTPUTS[stage][f"probe_{which}"]) for which in ("step0", "final")}
@@ -162,6 +167,26 @@ def _loss(label: str, params: dict) -> tuple[str, str]:
     return "pairwise logistic" + "".join(f", {e}" for e in extra if e), "-"
 
 
+def sft_lines(sft: dict, params: dict) -> list[str]:
+    """What ran of the sft stage: its data, its run, the pinned export every later stage used as the reference."""
+    if params.get("sft") is None:
+        return ["SFT: none (params `sft` is null): the pinned reference is the reference of every stage.", ""]
+    data, identity, info = sft.get("data") or {}, sft.get("identity") or {}, sft.get("run_info") or {}
+    st = info.get("settings") or {}
+    mode = ("Preferred-FT: the train split's chosen completions" if data.get("mode") == "preferred_ft" else
+            "sources " + ", ".join(f"{s.get('name') or s.get('path')} (`{s.get('path')}`, {s.get('format')})"
+                                   for s in data.get("sources") or []))
+    refused = _by_reason((data.get("refused") or {}).get("by_reason")) or "none"
+    base = (data.get("provenance") or {}).get("base") or {}
+    return [f"SFT (completion-only, stage `sft`): {mode}; {data.get('examples')} examples, "
+            f"{data.get('completion_tokens')} completion tokens; refused: {refused}. lr {st.get('lr')}, epochs "
+            f"{st.get('epochs')}, adapter {_adapter(st)}, {info.get('optimizer_steps')} optimizer steps, world size "
+            f"{info.get('world_size')}. Its export `{identity.get('repo_id')}` (`{identity.get('local_dir')}`, "
+            f"revision `{identity.get('revision')}`, from base `{base.get('repo_id')}` identity "
+            f"`{base.get('identity_digest')}`, data digest `{data.get('data_digest')}`) is the reference of "
+            "ref_logps, train_dpo, train_rm and generate.", ""]
+
+
 def summary_sections(records: dict, params: dict) -> list[str]:
     """The summary's "What ran" and (mixtures) "Per-source probe accuracy" lines."""
     lines = ["## What ran", ""]
@@ -201,6 +226,7 @@ def summary_sections(records: dict, params: dict) -> list[str]:
         pinned = "pinned" if ref.get("revision_pinned") else "not pinned in params (the lock's own sha256)"
         lines += [f"Reference: `{ref.get('repo_id')}` ({ref.get('source')}, `{ref.get('local_dir')}`) at revision "
                   f"`{ref.get('revision')}` ({pinned}), {len(ref.get('files') or [])} files verified.", ""]
+    lines += sft_lines(records.get("sft") or {}, params)
     infos = records.get("run_info") or {}
     if infos:
         lines += ["Training (each run's record, run_info.json):", "",
@@ -314,6 +340,36 @@ def record_problems(records: dict, params: dict, probe_manifest: dict | None, to
         elif not str(ref.get("local_dir")).startswith("external:") and ref.get("identity_digest") != identity_digest(ref):
             # (a record packed with its local_dir written portably is not the one its digest was taken over)
             p.append("identity_digest is not the digest of its fields: the record was edited")
+
+    if params.get("sft") is not None:
+        sft = records.get("sft") or {}
+        data, sid, sinfo = sft.get("data"), sft.get("identity"), sft.get("run_info")
+        p = out.setdefault(SFT_IDENTITY, [])
+        if not isinstance(sid, dict):
+            p.append("not packed")
+        elif sid.get("identity_digest") != identity_digest(sid):
+            p.append("identity_digest is not the digest of its fields: the record was edited")
+        p = out.setdefault(SFT_DATA, [])
+        if not isinstance(data, dict):
+            p.append("not packed")
+        else:
+            if isinstance(sid, dict) and data.get("identity_digest") != sid.get("identity_digest"):
+                p.append("its identity_digest is not the packed SFT identity's")
+            base = (data.get("provenance") or {}).get("base") or {}
+            if isinstance(ref, dict) and base.get("identity_digest") != ref.get("identity_digest"):
+                p.append(f"SFT started from identity {base.get('identity_digest')}, not the verified reference's "
+                         f"{ref.get('identity_digest')}")
+            want = (params["sft"].get("sources") is None, data.get("mode") == "preferred_ft")
+            if want[0] != want[1]:
+                p.append(f"mode {data.get('mode')!r} is not what params sft.sources make it")
+        p = out.setdefault(SFT_RUN_INFO, [])
+        if not isinstance(sinfo, dict):
+            p.append("not packed")
+        else:
+            if sinfo.get("objective") != "sft":
+                p.append(f"objective {sinfo.get('objective')!r}, not sft")
+            if isinstance(data, dict) and sinfo.get("train_pairs") != data.get("examples"):
+                p.append(f"trained {sinfo.get('train_pairs')} examples; sft_data.json lists {data.get('examples')}")
 
     for label, rel in RUN_INFO.items():
         p = out.setdefault(rel, [])

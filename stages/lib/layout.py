@@ -22,6 +22,15 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
                  "probe_token_manifest": "results/tokens/probe_token_manifest.json",
                  "report": "results/tokens/tokenize_report.json",
                  "rejections": "results/tokens/token_rejections.parquet"},
+    # Supervised fine-tuning of the reference (params `sft`; absent when null: uses_sft): its model/, pinned, is the
+    # reference of every stage below (reference_identity).
+    "sft": {"model": "results/sft/model",                            # a directory (the HF export, with its lock)
+            "identity": "results/sft/ref_identity.json",
+            "data_report": "results/sft/sft_data.json",
+            "plots_train_log": "results/sft/train_log.csv",
+            "run_info": "results/sft/run_info.json",
+            "probe_step0": "results/sft/probe_step0.jsonl",
+            "probe_final": "results/sft/probe_final.jsonl"},
     "ref_logps": {"ref_logps": "results/ref_logps/ref_logps.parquet"},
     **{stage: {"model": f"results/{stage}/model",                  # a directory (the HF export)
                "plots_train_log": f"results/{stage}/train_log.csv",
@@ -54,6 +63,17 @@ def uses_ref_logps(params: dict) -> bool:
     return params["dpo"]["objective"] == "dpo"
 
 
+def uses_sft(params: dict) -> bool:
+    """params `sft` set (not null, not absent): the sft stage runs, and its export is the reference."""
+    return params.get("sft") is not None
+
+
+def reference_identity(params: dict) -> str:
+    """The identity every stage after tokenize loads the reference through: the sft stage's pinned export when SFT
+    runs, else verify_ref's identity of the pinned snapshot (the tokenizer, the same in both, is verify_ref's)."""
+    return STAGE_OUTPUTS["sft"]["identity"] if uses_sft(params) else STAGE_OUTPUTS["verify_ref"]["identity"]
+
+
 def pinned_models(params: dict) -> list[str]:
     """The generation models params pin instead of taking them from training ("policy", "judge")."""
     return [role for role in ("policy", "judge") if isinstance(params["generation"][role], dict)]
@@ -71,7 +91,7 @@ def pinned_model_inputs(params: dict, role: str) -> dict[str, str | list[str]]:
 
 def stages(params: dict) -> list[str]:
     """The pipeline's stages under these params, in the order above."""
-    optional = {"ref_logps": uses_ref_logps(params),
+    optional = {"ref_logps": uses_ref_logps(params), "sft": uses_sft(params),
                 **{f"verify_{role}": role in pinned_models(params) for role in ("policy", "judge")}}
     return [s for s in STAGE_OUTPUTS if optional.get(s, True)]
 

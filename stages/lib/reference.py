@@ -510,3 +510,49 @@ def judge_head_problem(model_dir) -> str | None:
     if labels != 1:
         return f"{path}: a sequence-classification model with {labels} labels, not a scalar reward (num_labels 1)"
     return None
+
+
+# ===================================================================================== a model made here
+
+def pin_own_model(root: str | os.PathLike, repo_id: str, provenance: dict, workers: int | None = None) -> dict:
+    """Pin a model directory this pipeline made (the sft stage's export) and return its identity, the record every
+    later stage re-checks before loading it (load_verified_dir), as verify_ref's is for the pinned reference.
+
+    Writes ROOT/prefpipe.lock.json (the local lock: every file's size and SHA-256) with `provenance` inside (what
+    the model was made from, by hash: the base reference's identity_digest, the training data's digest, the
+    settings), so the lock's own SHA-256, the identity's `revision`, names the files and their making at once."""
+    root = Path(root)
+    files = [r for r in list_files(root) if r != LOCK_NAME and not is_hf_bookkeeping(r)]
+    for r in files:
+        if (why := unsafe_relpath_reason(r)) is not None:
+            raise RefIdentityError(f"{root / r}: cannot pin a file whose path {why}")
+    hashed = hash_files(root, {r: SHA256 for r in files}, workers, cache=FileHashCache.default(), use_cached=False)
+    _fail(f"cannot pin {root}:", [f"{root / r}: {v}" for r, v in hashed.items() if isinstance(v, str)])
+    if not any(r == CONFIG_FILE for r in files):
+        raise RefIdentityError(f"cannot pin {root}: no {CONFIG_FILE} (not a model export)")
+    entries = [{"path": r, "size": hashed[r][0], "sha256": hashed[r][1]} for r in files]
+    lock = {"format": LOCK_FORMAT, "repo_id": repo_id, "files": entries, "files_digest": sha256_json(entries),
+            "provenance": provenance}
+    from stages.lib.io import write_json
+    write_json(root / LOCK_NAME, lock)
+    lock_bytes = (root / LOCK_NAME).read_bytes()
+    lock_sha = sha256_bytes(lock_bytes)
+    identity = {
+        "format": IDENTITY_FORMAT, "source": "local", "repo_id": repo_id, "revision": lock_sha,
+        "revision_pinned": True, "local_dir": str(root),
+        "lock": {"path": LOCK_NAME, "size": len(lock_bytes), "sha256": lock_sha},
+        "files": [{"path": e["path"], "size": e["size"], "algo": SHA256, "hash": e["sha256"]} for e in entries],
+        "extras": [],
+    }
+    identity["identity_digest"] = identity_digest(identity)
+    return identity
+
+
+def lock_provenance(identity_path: str | os.PathLike) -> dict | None:
+    """The `provenance` a model made here carries in its lock (pin_own_model), read through its verified identity;
+    None for a snapshot pinned from outside."""
+    identity = read_identity(identity_path)
+    if identity["source"] != "local":
+        return None
+    lock = read_json(Path(identity["local_dir"]) / LOCK_NAME)
+    return lock.get("provenance") if isinstance(lock, dict) else None

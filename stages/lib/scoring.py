@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from stages.lib.contracts import correct_label, probe_digest
+from stages.lib.graders import grade, grader_spec
 from stages.lib.implicit_reward import IMPLICIT_REWARDS, MEAN_REWARD, SUMMED_REWARD, implicit_reward
 from stages.lib.io import sha256_bytes
 
@@ -471,6 +472,16 @@ def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[di
         "kl": {**{k.replace("kl_", ""): v for k, v in bounded("kl_per_completion").items()},
                "per_token": log_ratio_tokens},
     }
+    gen = params.get("generation") or {}         # (a caller that passes evaluate's params only: no generation view)
+    if gen.get("temperature") == 0:
+        # Greedy completions are no sample of the policy: their log-ratio is not a KL estimate (issue 33).
+        metrics["log_ratio"] = metrics.pop("kl")
+    spec = grader_spec(gen.get("grader"))
+    if spec is not None:
+        graded, boot_graded = grader_metrics(rows, a, spec, idx, n, ev["confidence"], source)
+        metrics["grader"] = graded
+        boot.update(boot_graded)
+    metrics["warnings"] = evidence_warnings(rows, metrics, gen)
     summary = {"n_prompts": n, "samples_per_prompt": len(rows) // n,
                "index_matrix": {"shape": [ev["bootstrap_replicates"], n], "dtype": "int64 little-endian, C order",
                                 "sha256": index_matrix_digest(idx)},
@@ -478,3 +489,71 @@ def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[di
                                                      for name, lo, hi in LENGTH_BUCKETS},
                "policy_better": boot["win_rate"]["ci_low"] > 0.5}
     return metrics, summary
+
+
+# When the win rate is not evidence (issue 33): the judge's disagreement with the grader on the prompts where the two
+# completions grade differently above this share, or the two sides' mean lengths apart by more than this share of
+# the longer.
+DISAGREEMENT_LIMIT = 0.25
+LENGTH_MISMATCH_LIMIT = 0.5
+
+
+def grade_rows(rows: list[dict], spec: dict, source: str) -> dict[str, list]:
+    """Each judgment row's two completions graded (stages/lib/graders.py); a row that records grades must hold these
+    (the judge writes them; `report verify` regrades the packed rows and refuses a row that differs)."""
+    out: dict[str, list] = {"policy": [], "reference": []}
+    for i, r in enumerate(rows):
+        for side in out:
+            g = grade(spec, r["prompt"], r[f"{side}_completion"])
+            recorded = r.get(f"{side}_grade")
+            if recorded is not None and recorded != {"success": g.success, "labels": list(g.labels)}:
+                raise PerPairFileError(f"{source} row {i} (pair {r.get('pair_id')}): {side}_grade {recorded} is not "
+                                       f"what grader {spec['type']} gives its completion ({g})")
+            out[side].append(g)
+    return out
+
+
+def grader_metrics(rows: list[dict], a: dict[str, np.ndarray], spec: dict, idx: np.ndarray, n: int, confidence: float,
+                   source: str) -> tuple[dict, dict]:
+    """(metrics["grader"], bootstrap entries): graded success rate of policy and reference and their difference, each
+    with the paired percentile bootstrap over prompts (the win rate's index matrix); the share of each label per
+    side; and the judge's agreement with the grader on the rows whose two completions grade differently (the judge
+    agrees when it prefers the one that succeeds; a tie counts 0.5)."""
+    grades = grade_rows(rows, spec, source)
+    success = {side: np.array([g.success for g in gs], np.float64) for side, gs in grades.items()}
+    per_prompt = {"policy_success": _per_prompt(success["policy"], n),
+                  "reference_success": _per_prompt(success["reference"], n),
+                  "success_diff": _per_prompt(success["policy"] - success["reference"], n)}
+    boot = {f"grader_{k}": _describe(v[idx].mean(axis=-1), float(v.mean()), confidence) for k, v in per_prompt.items()}
+    differ = success["policy"] != success["reference"]
+    agree = np.where(success["policy"] > success["reference"], a["win"], 1.0 - a["win"])[differ]
+    labels = {side: sorted({lab for g in gs for lab in g.labels}) for side, gs in grades.items()}
+
+    def bounded(key: str) -> dict:
+        b = boot[f"grader_{key}"]
+        return {key: b["point"], f"{key}_ci_low": b["ci_low"], f"{key}_ci_high": b["ci_high"]}
+
+    metrics = {"name": spec["type"], **bounded("policy_success"), **bounded("reference_success"),
+               **bounded("success_diff"),
+               "labels": {side: {lab: float(np.mean([lab in g.labels for g in gs])) for lab in labels[side]}
+                          for side, gs in grades.items()},
+               "differing": int(differ.sum()),
+               "judge_agreement": float(agree.mean()) if differ.any() else None}
+    return metrics, boot
+
+
+def evidence_warnings(rows: list[dict], metrics: dict, gen: dict) -> list[str]:
+    """Why the win rate is not evidence, as codes (stages/lib/evidence_generation.py says each in words):
+    judge_trained_on_same_pairs, all_hit_max_new_tokens, length_mismatch, judge_disagrees_with_grader."""
+    out = []
+    if gen.get("judge") == "trained":
+        out.append("judge_trained_on_same_pairs")
+    if all(r.get(f"{side}_stop_reason") == "max_new_tokens" for r in rows for side in ("policy", "reference")):
+        out.append("all_hit_max_new_tokens")
+    lp, lr = metrics["length"]["policy_mean"], metrics["length"]["reference_mean"]
+    if abs(lp - lr) > LENGTH_MISMATCH_LIMIT * max(lp, lr):
+        out.append("length_mismatch")
+    agreement = (metrics.get("grader") or {}).get("judge_agreement")
+    if agreement is not None and agreement < 1 - DISAGREEMENT_LIMIT:
+        out.append("judge_disagrees_with_grader")
+    return out

@@ -151,6 +151,7 @@ def test_meaningless_settings_are_refused():
             dpo_pair_losses(x, x, x, x, beta=0.1, loss_type=loss)
 
     params = load_params(REPO / "params.yaml")
+    params["dpo"].pop("loss_weights", None)      # each case sets its own loss (the default is a weighted list)
     for loss, eps, ok in (("ipo", 0.1, False), ("ipo_length_normalized", 0.1, False), ("ipo_length_normalized", 0.0, True),
                           ("robust", 0.1, True), ("sigmoid", 0.2, True), ("robust", 0.5, False), ("hinge", 0.0, True),
                           ("kto", 0.0, False), (["sigmoid", "sft"], 0.0, True), ([], 0.0, False),
@@ -177,7 +178,8 @@ def test_impossible_loss_settings_are_refused_by_the_stage(tmp_path, capsys, dpo
     """Refused before anything is loaded, with the stage's one-line refusal (the paths need not exist)."""
     from stages import train_dpo
     params = yaml.safe_load((REPO / "params.yaml").read_text())
-    params["dpo"].update({"objective": "dpo", "label_smoothing": 0.0, **dpo})
+    params["dpo"].pop("loss_weights", None)
+    params["dpo"].update({"objective": "dpo", "label_smoothing": 0.0, "loss": "sigmoid", **dpo})
     validate_params(params)                      # the schema allows each; the combination is what is refused
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
     with pytest.raises(SystemExit) as exit_info:
@@ -306,7 +308,8 @@ def write_params(path, dpo: dict):
     params["train"].update({"gpus": 0, "epochs": 1, "global_batch_pairs": 16, "micro_batch_tokens": 160,
                             "inference_micro_batch_tokens": 160, "lr": 3e-3, "warmup_ratio": 0.1,
                             "logp_chunk_tokens": 32, "seed": 5})
-    params["dpo"].update(dpo)
+    params["dpo"].pop("loss_weights", None)
+    params["dpo"].update({"loss": "sigmoid", **dpo})
     path.write_text(yaml.safe_dump(params))
     return path
 

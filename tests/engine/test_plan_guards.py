@@ -65,7 +65,8 @@ def _stage_inputs(tmp_path: Path, n_train: int, weights: bool = True, **dpo) -> 
     params["train"].update({"gpus": 0, "epochs": 1, "global_batch_pairs": 16, "micro_batch_tokens": 160,
                             "inference_micro_batch_tokens": 160, "lr": 3e-3, "warmup_ratio": 0.1,
                             "logp_chunk_tokens": 32, "seed": 5})
-    params["dpo"].update({"objective": "dpo_ref_free", **dpo})
+    params["dpo"].pop("loss_weights", None)
+    params["dpo"].update({"objective": "dpo_ref_free", "loss": "sigmoid", **dpo})
     (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
     return ["--params", str(tmp_path / "p.yaml"), "--model-dir", str(tmp_path / "model"),
             "--train-tokens", str(tmp_path / "train.parquet"), "--probe-tokens", str(tmp_path / "probe.parquet"),

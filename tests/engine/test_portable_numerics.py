@@ -35,7 +35,8 @@ pytestmark = [
 def _params(path: Path, **train) -> Path:
     params = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())
     params["train"].update(epochs=1, global_batch_pairs=16, warmup_ratio=0.0, **train)
-    params["dpo"].update(objective="dpo_ref_free")
+    params["dpo"].update(objective="dpo_ref_free", loss="sigmoid")   # the loss these runs were written for
+    params["dpo"].pop("loss_weights", None)
     path.write_text(yaml.safe_dump(params))
     return path
 

@@ -10,10 +10,12 @@ from collections import Counter
 
 import pytest
 
-from stages.embedded_data import COLOURS, DEFAULT_OUT, WORLD, build_examples, build_rows, encode
+from stages.embedded_data import (COLOURS, DEFAULT_OUT, DEFAULT_SFT_OUT, WORLD, build_examples, build_rows,
+                                  build_sft_rows, encode)
 
 from conftest import REPO_ROOT
 COMMITTED = REPO_ROOT / DEFAULT_OUT
+COMMITTED_SFT = REPO_ROOT / DEFAULT_SFT_OUT
 
 
 @pytest.fixture(scope="module")
@@ -28,13 +30,15 @@ def test_committed_file_is_the_regeneration():
     assert gzip.decompress(committed) == gzip.decompress(regenerated)
     assert committed == regenerated
     assert len(committed) < 1_000_000
+    assert COMMITTED_SFT.read_bytes() == encode(build_sft_rows())
 
 
 def test_cli_writes_and_checks(tmp_path):
     out = tmp_path / "d" / "prefs.jsonl.gz"
-    cli = [sys.executable, "-m", "stages.embedded_data", "--out", str(out)]
+    cli = [sys.executable, "-m", "stages.embedded_data", "--out", str(out), "--sft-out", str(tmp_path / "sft.jsonl.gz")]
     assert subprocess.run(cli, cwd=REPO_ROOT, capture_output=True).returncode == 0
     assert out.read_bytes() == COMMITTED.read_bytes()
+    assert (tmp_path / "sft.jsonl.gz").read_bytes() == COMMITTED_SFT.read_bytes()
     assert subprocess.run(cli + ["--check"], cwd=REPO_ROOT, capture_output=True).returncode == 0
     out.write_bytes(gzip.compress(b'{"x": 1}\n', mtime=0))
     check = subprocess.run(cli + ["--check"], cwd=REPO_ROOT, capture_output=True, text=True)

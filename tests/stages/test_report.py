@@ -43,8 +43,10 @@ SYNTH_OUTS = (["results/probe/probe_manifest.json", "results/tokens/probe_token_
 # What the report rule hashes without packing: every output of the data, reference and token stages and the
 # models, from the pipeline's layout (the list `verify` requires in a manifest); the synthetic inputs stand them in.
 ARTIFACTS = bundle_artifacts(yaml.safe_load((REPO / "params.yaml").read_text()))
+# The sft stage's outputs (params `sft` set): synthetic_probe.py writes them, agreeing with the reference identity.
+SYNTH_OUTS += [p for p, stage in ARTIFACTS.items() if stage == "sft"]
 HASHED_ONLY = [p for p, stage in ARTIFACTS.items() if stage in ("normalize", "freeze_probe", "verify_ref", "tokenize",
-                                                                "ref_logps", "generate")] + ["results/train_dpo/model",
+                                                                "sft", "ref_logps", "generate")] + ["results/train_dpo/model",
                                                                                  "results/train_rm/model"]
 STAND_INS = [p for p in HASHED_ONLY if p not in SYNTH_OUTS]
 REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
@@ -474,7 +476,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
         for line in ("MATCH    evidence/summary.md: remade from the packed metrics",
                      "MATCH    evidence/curves/dpo_train_curves.png: redrawn from results/train_dpo/train_log.csv",
                      "MATCH    evidence/params.yaml (dpo run): the train settings",
-                     "MATCH    evidence/manifest.json artifacts: every artifact of the 11 stages before report",
+                     "MATCH    evidence/manifest.json artifacts: every artifact of the 12 stages before report",
                      "MATCH    evidence/manifest.json evaluation", "MATCH    evidence/manifest.json curves",
                      "MATCH    results/evaluate/bootstrap_summary.json (header)"):
             assert line in out, (line, out)
@@ -553,7 +555,7 @@ def test_verify_requires_the_artifacts_the_objective_implies(tmp_path):
     params["dpo"]["objective"] = "dpo_ref_free"
     repo, bundle = _genuine(tmp_path, params)
     rc, out = _verify(repo, bundle)
-    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 10 stages before report" in out, out
+    assert rc == 0 and "MATCH    evidence/manifest.json artifacts: every artifact of the 11 stages before report" in out, out
     rel = "results/ref_logps/ref_logps.parquet"
     (repo / rel).parent.mkdir(parents=True)
     (repo / rel).write_bytes(b"PAR1")
@@ -734,11 +736,16 @@ def test_the_bundle_packs_the_run_records_and_the_summary_says_what_ran(tmp_path
             "| train | 100 | 100 | 0 | 0 | - |", f"| probe | 64 | 64 | 0 | 0 | - |",
             f"Reference: `{ref['repo_id']}` ({ref['source']}, `{ref['local_dir']}`) at revision `{ref['revision']}` "
             "(pinned), 1 files verified.",
-            f"| dpo | dpo | sigmoid | 0.1 | 0.0003 | {plan} | 2 | {seed} | none (full fine-tuning) | 100 | 12 | 1 |",
+            f"| dpo | dpo | {' + '.join(params['dpo']['loss'])} | 0.1 | 0.0003 | {plan} | 2 | {seed} | none (full "
+            "fine-tuning) | 100 | 12 | 1 |",
             f"| rm | reward_model | pairwise logistic | - | 0.0003 | {plan} | 2 | {seed} | none (full fine-tuning) | 100 | "
             "12 | 1 |"):
         assert line in summary.splitlines(), (line, summary)
     assert "Per-source" not in summary                       # one source: the table above is per source already
+    # the SFT run and its pinned export, named from the packed records
+    sft_line = next(line for line in summary.splitlines() if line.startswith("SFT (completion-only, stage `sft`)"))
+    sft_identity = json.loads((repo / "results/sft/ref_identity.json").read_text())
+    assert f"`{sft_identity['repo_id']}`" in sft_line and sft_identity["revision"] in sft_line
 
 
 def test_a_mixture_gets_per_source_accuracy_from_the_evaluate_bootstrap(tmp_path):

@@ -108,7 +108,7 @@ def test_training_rules_launch_torchrun_with_the_resolved_process_count(tmp_path
 
     jobs = _dry_run(root, *executor)
     training = re.findall(r"^rule (\w+):", (REPO_ROOT / "workflow/rules/train.smk").read_text(), re.M)
-    assert set(training) == {"ref_logps", "train_dpo", "train_rm"} <= set(jobs), (training, sorted(jobs))
+    assert set(training) == {"sft", "ref_logps", "train_dpo", "train_rm"} <= set(jobs), (training, sorted(jobs))
     generation = re.findall(r"^rule (\w+):", (REPO_ROOT / "workflow/rules/generation.smk").read_text(), re.M)
     assert {"generate", "judge"} <= set(generation) and {"generate", "judge"} <= set(jobs), (generation, sorted(jobs))
     for name, (resources, shell) in jobs.items():

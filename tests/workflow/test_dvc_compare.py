@@ -120,4 +120,4 @@ def test_runs_compare_across_commits_and_experiments(tmp_path):
     assert dvc_changed_stages(repo) == set()
     assert (repo / "logs/train_dpo.log").read_bytes() == first["logs/train_dpo.log"]
     done = subprocess.run([sys.executable, "-m", "prefpipe.cli", "status"], cwd=repo, capture_output=True, text=True)
-    assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("all 12 stages up to date"), done.stdout
+    assert done.returncode == 0 and done.stdout.splitlines()[-1].startswith("all 13 stages up to date"), done.stdout

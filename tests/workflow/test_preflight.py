@@ -90,9 +90,9 @@ def test_a_source_naming_no_data_is_refused_by_sync_dvc_and_snakemake(checkout, 
      "params.yaml is invalid: train.seed: 4294967296 is greater than the maximum of 4294967295"),
     ("  epochs: 2\n", "  epochs: 2\n  lr: 1.0\n",
      r"params.yaml: key train.lr is written twice \(lines \d+ and \d+\)"),
-    ("  loss: sigmoid\n", "  loss: sigmod\n", r"params.yaml is invalid: dpo.loss: 'sigmod' is not allowed: "
-                                              r"must be one of \['sigmoid', 'robust'.*or a list of those "
-                                              r"\(did you mean 'sigmoid'\?\)"),
+    ("  loss: [sigmoid, sft]\n", "  loss: sigmod\n", r"params.yaml is invalid: dpo.loss: 'sigmod' is not allowed: "
+                                                     r"must be one of \['sigmoid', 'robust'.*or a list of those "
+                                                     r"\(did you mean 'sigmoid'\?\)"),
     ("  adapter: null\n", "  adapter: {type: lora, r: 0, alpha: 32, dropout: 0.0, target_modules: [q_proj], "
                           "export: merged}\n", r"train.adapter.r: 0 is less than the minimum of 1"),
 ])

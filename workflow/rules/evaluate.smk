@@ -45,6 +45,7 @@ HASHED_ARTIFACTS = [
     *rules.freeze_probe.output,
     *rules.verify_ref.output,
     *rules.tokenize.output,
+    *(rules.sft.output if USES_SFT else []),
     *(rules.ref_logps.output if USES_REF_LOGPS else []),
     DPO_OUT.model,
     RM_OUT.model,
@@ -89,6 +90,7 @@ rule report:
         rm=config["rm"],
         evaluate=config["evaluate"],
         generation=config["generation"],
+        sft=config.get("sft"),
     conda:
         "../envs/pipeline.yaml"
     log:

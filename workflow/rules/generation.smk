@@ -58,7 +58,7 @@ rule verify_judge:
 rule generate:
     input:
         environment=ENV_RECORD,
-        identity=rules.verify_ref.output.identity,
+        identity=REF_IDENTITY,
         policy=rules.verify_policy.output.identity if "policy" in PINNED else rules.train_dpo.output.model,
         probe=rules.freeze_probe.output.probe,
         probe_tokens=rules.tokenize.output.probe_tokens,
@@ -68,7 +68,7 @@ rule generate:
         info=OUT["generate"]["info"],
     params:
         # Every generation knob but the judge: a new judge must not generate again.
-        **{f"generation__{k}": v for k, v in GEN.items() if k != "judge"},
+        **{f"generation__{k}": v for k, v in GEN.items() if k not in ("judge", "grader")},
         **ENGINE_PARAMS,
         cli_policy=lambda w, input: ("--policy-identity " if "policy" in PINNED else "--policy-model ") + input.policy,
     resources:
@@ -91,7 +91,7 @@ rule generate:
 rule judge:
     input:
         environment=ENV_RECORD,
-        identity=rules.verify_ref.output.identity,
+        identity=REF_IDENTITY,
         judge=rules.verify_judge.output.identity if "judge" in PINNED else rules.train_rm.output.model,
         generations=rules.generate.output.generations,
         code=code_deps("stages.judge"),
@@ -101,6 +101,7 @@ rule judge:
         summary=OUT["judge"]["summary"],
     params:
         generation__judge=GEN["judge"],
+        generation__grader=GEN.get("grader"),
         evaluate=config["evaluate"],
         **ENGINE_PARAMS,
         cli_judge=lambda w, input: ("--judge-identity " if "judge" in PINNED else "--judge-model ") + input.judge,

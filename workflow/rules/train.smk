@@ -9,6 +9,8 @@
 import os
 
 from launch import torchrun_launch, train_resources
+from stages.data.sft_sources import resolve_sft_source_files
+from stages.lib.layout import reference_identity, uses_sft
 
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
@@ -22,12 +24,65 @@ TOKENS = rules.tokenize.output
 USES_REF_LOGPS = uses_ref_logps(config)
 
 
+# The reference of every stage below: the sft stage's pinned export when params `sft` is set, else verify_ref's.
+USES_SFT = uses_sft(config)
+REF_IDENTITY = reference_identity(config)
+SFT = config.get("sft") or {}
+SFT_SOURCES = SFT.get("sources")
+
+
+rule sft:
+    input:
+        environment=ENV_RECORD,
+        identity=rules.verify_ref.output.identity,
+        # Preferred-FT (sft.sources null) trains on the train split's chosen completions as tokenize wrote them;
+        # sources of its own are read here, probe prompts refused against the frozen probe.
+        train_tokens=TOKENS.train_tokens if SFT_SOURCES is None else [],
+        probe_tokens=TOKENS.probe_tokens,
+        probe=rules.freeze_probe.output.probe if SFT_SOURCES is not None else [],
+        sources=[data_location(f) for _, files in resolve_sft_source_files(SFT_SOURCES) for f in files]
+        if SFT_SOURCES
+        else [],
+        code=code_deps("stages.sft"),
+    output:
+        model=directory(OUT["sft"]["model"]),
+        identity=OUT["sft"]["identity"],
+        data_report=OUT["sft"]["data_report"],
+        plots_train_log=OUT["sft"]["plots_train_log"],
+        run_info=OUT["sft"]["run_info"],
+        probe_step0=OUT["sft"]["probe_step0"],
+        probe_final=OUT["sft"]["probe_final"],
+    params:
+        cli_launch=LAUNCH,
+        sft=config.get("sft"),
+        train=config["train"],
+        tokenize=config["tokenize"],
+        cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
+        cli_data=lambda w, input: (f"--train-tokens {input.train_tokens}" if SFT_SOURCES is None
+                                   else f"--probe {input.probe}"),
+    resources:
+        **TRAIN_RESOURCES,
+    conda:
+        "../envs/pipeline.yaml"
+    log:
+        main=f"{LOGS}/sft.log",
+        # Timings, throughput, memory: they vary run to run, so they stay out of the hashed record.
+        perf=f"{LOGS}/sft.perf.json",
+    benchmark:
+        f"{LOGS}/benchmarks/sft.tsv"
+    shell:
+        "{params.cli_launch} -m stages.sft -- --params params.yaml"
+        " --identity {input.identity} {params.cli_data} --probe-tokens {input.probe_tokens}"
+        " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/sft"
+        " --environment {input.environment} --log {log.main} --perf {log.perf}"
+
+
 rule ref_logps:
     input:
         environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
-        identity=rules.verify_ref.output.identity,
+        identity=REF_IDENTITY,
         code=code_deps("stages.ref_logps"),
     output:
         ref_logps=OUT["ref_logps"]["ref_logps"],
@@ -65,7 +120,7 @@ rule train_dpo:
         environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
-        identity=rules.verify_ref.output.identity,
+        identity=REF_IDENTITY,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
         code=code_deps("stages.train_dpo"),
     output:
@@ -102,7 +157,7 @@ rule train_rm:
         environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
-        identity=rules.verify_ref.output.identity,
+        identity=REF_IDENTITY,
         code=code_deps("stages.train_rm"),
     output:
         model=directory(OUT["train_rm"]["model"]),
