@@ -132,9 +132,12 @@ def part_pipeline(out: Path, args) -> dict:
         for cand in (work / "results" / stage / "run_info.json", work / "logs" / f"{stage}.perf.json"):
             if cand.exists():
                 data = json.loads(cand.read_text())
+                # run_info's facts (device, cuda_graphs: enabled / reason) first; the perf record's measurements
+                # (its own `cuda_graphs` holds timings, not the facts) must not overwrite them
                 stages.setdefault(stage, {}).update(
                     {k: data[k] for k in ("device", "cuda_graphs", "tokens_per_s", "peak_memory_bytes_per_rank",
-                                          "peak_reserved_bytes_per_rank", "cuda_allocator_conf") if k in data})
+                                          "peak_reserved_bytes_per_rank", "cuda_allocator_conf")
+                     if k in data and k not in stages[stage]})
                 if "settings" in data:
                     s = data["settings"]
                     stages[stage]["precision"] = s.get("precision")
