@@ -29,6 +29,8 @@ torch.set_num_threads(1)
 
 def _params(**dpo) -> dict:
     params = yaml.safe_load((REPO / "params.yaml").read_text())
+    if "loss" in dpo and "loss_weights" not in dpo:      # the default's weights belong to its own loss list
+        params["dpo"].pop("loss_weights", None)
     params["dpo"].update(dpo)
     params["evaluate"]["bootstrap_replicates"] = 1000
     return params
