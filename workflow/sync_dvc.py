@@ -46,6 +46,9 @@ HEADER = (
 )
 
 
+# The train-log columns each curve plots: a preference objective's (train_dpo, train_rm), sft's.
+PLOT_FIELDS = {"pairs": ["loss", "accuracy", "margin"], "sft": ["loss", "completion_logp"]}
+
 def _param_key(name: str, value, config: dict) -> str:
     key = name.replace("__", ".")
     node = config
@@ -140,7 +143,9 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
     doc = {"stages": stages}
     if curves:
         # The one definition of each plot (a stage-level `plots:` entry as well would draw it twice).
-        doc["plots"] = [{p: {"x": "step", "y": ["loss", "accuracy", "margin"],
+        # y: the columns the stage's train log has (sft's objective logs the completions' log-prob, not a pair's
+        # accuracy and margin: naming those made every `dvc plots diff` warn that the fields are missing).
+        doc["plots"] = [{p: {"x": "step", "y": list(PLOT_FIELDS.get(Path(p).parent.name, PLOT_FIELDS["pairs"])),
                              "title": f"{Path(p).parent.name} training"}} for p in curves]
     body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)
     return HEADER + body
