@@ -120,6 +120,13 @@ def reference_rm_scores(model, seqs: list[list[int]]) -> torch.Tensor:
     return model.score(hidden[torch.arange(len(seqs)), last]).squeeze(-1).float()
 
 
+def probe_token_rows(assets: Path) -> list[dict]:
+    """The `assets` fixture's probe token rows as plain lists (what HF's forward takes)."""
+    import pandas as pd
+    return [{k: (list(v) if hasattr(v, "tolist") else v) for k, v in r.items()}
+            for r in pd.read_parquet(assets / "probe.parquet").to_dict("records")]
+
+
 def pair_seqs(rows: list[dict]) -> tuple[list[list[int]], list[int]]:
     seqs, pls = [], []
     for r in rows:

@@ -92,7 +92,7 @@ def render(schema: dict, params: dict) -> str:
             continue
         node = e["node"]
         default = f"`{json.dumps(node['default'])}`" if "default" in node else ""
-        value = "-" if e["value"] is None and len(e["path"]) > 1 and "[]" not in e["path"] else (
+        value = "-" if e["value"] is None and "[]" not in e["path"] else (
             "" if "[]" in e["path"] or isinstance(e["value"], (dict, list)) else f"`{json.dumps(e['value'])}`")
         meaning = " ".join(str(node.get("description", "")).split()).replace("|", "\\|")
         lines.append(f"| `{e['key']}` | {_type(node)} | {default} | {value} | {meaning} |")

@@ -13,11 +13,10 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
-import pandas as pd
 import pytest
 import torch
 
-from engine_helpers import pair_seqs, reference_seq_logps
+from engine_helpers import pair_seqs, probe_token_rows, reference_seq_logps
 from stages.lib.io import read_jsonl
 
 pytestmark = [pytest.mark.gpu,
@@ -30,11 +29,6 @@ CONFIGS = [(stage, precision, state, graphs, adapter)
            for stage, precision, graphs, adapter in itertools.product(("train_dpo", "train_rm"), ("autocast", "bf16"),
                                                                       (0, 8), ("full", "lora"))
            for state in STATES[precision]]
-
-
-def probe_rows(assets) -> list[dict]:
-    return [{k: (list(v) if hasattr(v, "tolist") else v) for k, v in r.items()}
-            for r in pd.read_parquet(assets / "probe.parquet").to_dict("records")]
 
 
 def exported_scores(stage: str, model_dir, rows: list[dict]) -> np.ndarray:
@@ -76,7 +70,7 @@ def test_every_configuration_finishes_exports_and_the_export_scores_as_trained(a
                                                                                           "rejected_score")
     final = np.array([[r[f] for f in fields] for r in read_jsonl(out / "probe_final.jsonl")])
     step0 = np.array([[r[f] for f in fields] for r in read_jsonl(out / "probe_step0.jsonl")])
-    got = exported_scores(stage, out / "model", probe_rows(assets))
+    got = exported_scores(stage, out / "model", probe_token_rows(assets))
     # The run scored in bf16 (autocast or bf16 weights), the export is read back in fp32: agreement to bf16's
     # precision, scaled to the scores' size, and far closer to the trained scores than to the untrained ones (a
     # reload of the base, or of unmerged adapters, would fail here).

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from engine_helpers import pair_seqs, reference_seq_logps
+from engine_helpers import pair_seqs, probe_token_rows, reference_seq_logps
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.lib.io import read_jsonl
 from conftest import REPO_ROOT as REPO
@@ -150,11 +150,6 @@ def test_lora_rm_step_equals_plain_peft_with_the_score_head_trained_in_full(asse
     np.testing.assert_allclose(log.grad_norm, [w[1] for w in want], rtol=1e-4)
     assert_adapter_equals(out / "model" / "adapter", model)     # its keys include the trained score head
     assert "base_model.model.score.weight" in load_file(out / "model/adapter/adapter_model.safetensors")
-
-
-def probe_token_rows(assets: Path) -> list[dict]:
-    return [{k: (list(v) if hasattr(v, "tolist") else v) for k, v in r.items()}
-            for r in pd.read_parquet(assets / "probe.parquet").to_dict("records")]
 
 
 def test_merged_and_adapter_exports_reload_and_reproduce_probe_scores(assets):
