@@ -25,7 +25,8 @@ from pathlib import Path
 from stages.lib.cli import stage_main
 from stages.lib.environment import environment_record
 from stages.lib.io import write_json
-from stages.lib.params import ParamsError, load_params
+from stages.lib.params import ParamsError
+from stages.lib.declared_params import load_stage_params
 
 ALLOW_UNLOCKED = "PREFPIPE_ALLOW_UNLOCKED"
 _PIN = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?==([^\s;\\]+)")
@@ -76,7 +77,7 @@ def _arguments(ap) -> None:
 
 def _run(args) -> int:
     log = logging.getLogger("environment")
-    record = build_record(load_params(args.params), args.lock)
+    record = build_record(load_stage_params(args.params, "environment"), args.lock)
     diffs = record["lock"]["differences"]
     if diffs:
         listed = ", ".join(f"{d['package']} {d['installed'] or 'missing'} (lock: {d['locked']})" for d in diffs)

@@ -44,7 +44,8 @@ from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SC
                                   token_hash, token_hash_problem)
 from stages.lib.cli import stage_main
 from stages.lib.io import read_json, read_jsonl, read_parquet, sha256_file, write_json
-from stages.lib.params import ParamsError, load_params
+from stages.lib.params import ParamsError
+from stages.lib.declared_params import load_stage_params
 from stages.lib.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
 
 
@@ -97,7 +98,7 @@ def _arguments(ap) -> None:
 
 def _run(args) -> int:
     log = logging.getLogger("evaluate")
-    params = load_params(args.params)
+    params = load_stage_params(args.params, "evaluate")
     probe_manifest = _read_manifest(args.probe_manifest, PROBE_MANIFEST_SCHEMA, "probe manifest")
     token_manifest = _read_manifest(args.probe_token_manifest, PROBE_TOKEN_MANIFEST_SCHEMA, "probe token manifest")
     check_manifests(probe_manifest, token_manifest, params["probe"]["size"])

@@ -45,7 +45,8 @@ from stages.lib.contracts import (PAIR_COLUMNS, content_hash_problem, missing_pa
                                   pair_problems, probe_digest, prompt_key, row_content_hash)
 from stages.lib.io import (ParquetStreamWriter, canonical_json, iter_parquet_batches, open_parquet, read_parquet,
                            sha256_text, write_json, write_parquet)
-from stages.lib.params import ParamsError, load_params
+from stages.lib.params import ParamsError
+from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import RefIdentityError, load_verified_dir
 
 SELECTION = ("ascending sha256(f'{seed}:{pair_id}'), at most one pair per normalized prompt "
@@ -370,7 +371,7 @@ def _arguments(ap) -> None:
 
 def _run(args) -> int:
     log = logging.getLogger("freeze_probe")
-    params = load_params(args.params)
+    params = load_stage_params(args.params, "freeze_probe")
     cfg = params["probe"]
     fit = load_fit(args.identity, params["tokenize"])
     m = freeze_probe_file(args.pairs, size=cfg["size"], seed=cfg["seed"], train_path=args.train,

@@ -46,7 +46,7 @@ from stages.engine.settings import TrainSettings
 from stages.lib.cli import exit_after_success
 from stages.lib.contracts import GENERATION_SIDES as SIDES, GENERATIONS_SCHEMA, STOP_REASONS, ContractError
 from stages.lib.io import MEASUREMENT, canonical_json, read_parquet, write_json, write_parquet
-from stages.lib.params import load_params
+from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import load_verified_dir, pinned_model_record
 
 log = logging.getLogger("generate")
@@ -85,8 +85,8 @@ def _arguments(parser) -> None:
 
 def _run(args) -> None:
     startup.CLOCK.reset()
-    params = load_params(args.params)
-    settings = TrainSettings.from_params(params)
+    params = load_stage_params(args.params, "generate")
+    settings = TrainSettings.for_inference(params)
     gen = GenerationSettings.from_params(params["generation"])
     env = init_distributed(settings)
     try:
@@ -184,7 +184,9 @@ def _rows(pair_ids, messages, prompts, runs, scores, tokenizer) -> list[dict]:
 def _info(params, gen, stop, closing, tokenizer, runs, record, ref_dir, policy_dir, args) -> dict:
     pinned = params["generation"]["policy"] != "trained"
     return {
-        "settings": {k: v for k, v in params["generation"].items() if k not in ("policy", "judge")},
+        # The sampling knobs the engine ran with (generate's rule reruns it for each): the grader and the judge
+        # decide nothing here, and a record naming them would go stale when they change.
+        "settings": {k: params["generation"][k] for k in GenerationSettings.KNOBS},
         "policy": model_record("pinned" if pinned else "trained", policy_dir, args.policy_identity),
         "reference": model_record("reference", ref_dir, args.identity),
         "vocabulary_digest": vocabulary_digest(tokenizer),

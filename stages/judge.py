@@ -68,7 +68,7 @@ from stages.engine.settings import TrainSettings
 from stages.lib.cli import exit_after_success
 from stages.lib.contracts import ContractError, correct_label, generation_rows
 from stages.lib.io import read_parquet, write_json, write_jsonl
-from stages.lib.params import load_params
+from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import load_verified_dir, pinned_model_record
 from stages.lib.graders import GraderError, grade, grader_spec
 from stages.lib.scoring import PerPairFileError, evaluate_generation
@@ -122,8 +122,8 @@ def _arguments(parser) -> None:
 
 
 def _run(args) -> None:
-    params = load_params(args.params)
-    settings = TrainSettings.from_params(params)
+    params = load_stage_params(args.params, "judge")
+    settings = TrainSettings.for_inference(params)
     env = init_distributed(settings)
     try:
         stage_environment(args, settings)

@@ -41,7 +41,8 @@ from stages.data.spill import PairSpill, TableSink
 from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIRS_SCHEMA, content_hash
 from stages.lib.io import ParquetStreamWriter, data_location, write_json
-from stages.lib.params import ParamsError, load_params
+from stages.lib.params import ParamsError
+from stages.lib.declared_params import load_stage_params
 
 # Every reason code of rejections.parquet: what a row's parse can end with (stages/data/formats), then this
 # driver's own two, found across rows.
@@ -207,7 +208,7 @@ def _arguments(ap) -> None:
 
 def _run(args) -> int:
     log = logging.getLogger("normalize")
-    params = load_params(args.params)
+    params = load_stage_params(args.params, "normalize")
     stats = normalize_to_files(params["data"]["sources"], args.pairs, args.rejections)
     for s in stats["sources"]:
         reasons = {r: n for r, n in s["rejected"].items() if n}

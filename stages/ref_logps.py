@@ -21,7 +21,7 @@ from stages.lib.io import MEASUREMENT, write_json
 from stages.engine.modeling import ModelLoadError, SequenceLogProbs, load_causal_lm
 from stages.lib.ref_logps_table import ref_logps_table, write_ref_logps
 from stages.lib.cli import exit_after_success
-from stages.lib.params import load_params
+from stages.lib.declared_params import load_stage_params
 from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_tokens, resolve_model_dir,
                                stage_environment)
 from stages.engine.data import run_inference
@@ -40,8 +40,8 @@ def _arguments(parser) -> None:
 def _run(args) -> None:
     startup.CLOCK.reset()
     startup.mark("imports")                            # process start to here: interpreter, torch, the engine
-    params = load_params(args.params)
-    settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
+    params = load_stage_params(args.params, "ref_logps")
+    settings = TrainSettings.for_inference(params)       # refuses temperature != 1 before anything is built
     env = init_distributed(settings)
     startup.mark("process_group")
     try:

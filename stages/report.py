@@ -53,7 +53,8 @@ from stages.lib.io import atomic_path, data_location, sha256_bytes, write_text
 from stages.lib.layout import STAGE_OUTPUTS
 
 RECORD_ROLES = set(RECORDS.values())
-from stages.lib.params import ParamsError, load_params
+from stages.lib.params import ParamsError
+from stages.lib.declared_params import load_stage_params
 
 PACKABLE_SUFFIXES = {".json", ".jsonl", ".csv"}
 
@@ -160,7 +161,7 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
                  generation_eval: list[str] | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
     """-> (bundle members by name, summary markdown, curve PNGs by file name). generation_eval: the judge stage's
     outputs (judgments, metrics, summary), packed."""
-    params = load_params(params_path if cwd is None else Path(cwd) / params_path)
+    params = load_stage_params(params_path if cwd is None else Path(cwd) / params_path, "report")
     packed: dict[str, str] = {}  # relpath -> role
     for role, paths in (("metrics", metrics), ("per_pair", per_pair),
                         ("bootstrap_summary", [bootstrap_summary] if bootstrap_summary else []),

@@ -44,7 +44,7 @@ from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.engine.sft_objective import SFTObjective, sft_token_pairs
 from stages.lib.cli import exit_after_success
 from stages.lib.io import read_parquet, sha256_json, write_json
-from stages.lib.params import load_params
+from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import pin_own_model, read_identity
 
 log = logging.getLogger("sft")
@@ -52,9 +52,9 @@ SFT_DATA_FORMAT = "prefpipe-sft-data/1"
 
 
 def sft_train_params(params: dict) -> dict:
-    """params with `train` as the sft stage runs it: `sft.train`'s keys over `train`'s."""
+    """`train` as the sft stage runs it (`sft.train`'s keys over `train`'s), the one section TrainSettings reads."""
     overrides = (params.get("sft") or {}).get("train") or {}
-    return {**params, "train": {**params["train"], **overrides}}
+    return {"train": {**params["train"], **overrides}}
 
 
 def sft_settings(params: dict) -> TrainSettings:
@@ -132,7 +132,7 @@ def _arguments(parser) -> None:
 def _run(args) -> dict:
     startup.CLOCK.reset()
     startup.mark("imports")
-    params = load_params(args.params)
+    params = load_stage_params(args.params, "sft")
     if params.get("sft") is None:
         raise SFTDataError("params sft is null: the sft stage does not run (the pinned reference is the reference)")
     settings = sft_settings(params)

@@ -47,7 +47,8 @@ from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, TOKENS_SCHEMA, Contract
                                   row_content_hash, token_digest)
 from stages.lib.io import (ParquetStreamWriter, canonical_json, display_path, iter_parquet_batches, open_parquet,
                            read_json, read_parquet, write_json)
-from stages.lib.params import ParamsError, load_params
+from stages.lib.params import ParamsError
+from stages.lib.declared_params import load_stage_params
 
 DEFAULT_CHUNK_PAIRS = 1024
 LENGTH_KEYS = ("prompt", "chosen", "rejected", "chosen_completion", "rejected_completion")
@@ -390,7 +391,7 @@ def _run(args) -> None:
     from stages.lib.reference import load_verified_dir
 
     log = logging.getLogger("tokenize")
-    params = load_params(args.params)["tokenize"]
+    params = load_stage_params(args.params, "tokenize")["tokenize"]
     tokenizer_dir = load_verified_dir(args.identity)
     limits = load_limits(params, tokenizer_dir)
     workers = resolve_workers(params.get("workers", 0))

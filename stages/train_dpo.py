@@ -20,7 +20,7 @@ from stages.engine.dpo_losses import DPOLossError, check_dpo_params, loss_hints
 from stages.engine.dpo_objective import DPOObjective
 from stages.lib.ref_logps_table import RefLogpsError, read_ref_logps, ref_logps_for
 from stages.lib.cli import exit_after_success
-from stages.lib.params import load_params
+from stages.lib.declared_params import load_stage_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
                                load_stage_tokens, resolve_model_dir, stage_environment)
 from stages.engine.dist import init_distributed, shutdown_distributed
@@ -41,7 +41,7 @@ def _arguments(parser) -> None:
 def _run(args) -> dict:
     startup.CLOCK.reset()
     startup.mark("imports")                            # process start to here: interpreter, torch, the engine
-    params = load_params(args.params)
+    params = load_stage_params(args.params, "train_dpo")
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     dpo = params["dpo"]
     check_dpo_params(dpo)                               # refuse an impossible loss setting before anything is built

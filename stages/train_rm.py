@@ -18,7 +18,7 @@ from stages.data.limits import TokenizeError
 from stages.data.pair_tokenizer import export_template_files
 from stages.engine.reward_objective import RewardObjective
 from stages.lib.cli import exit_after_success
-from stages.lib.params import load_params
+from stages.lib.declared_params import load_stage_params
 from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
                                load_stage_tokens, resolve_model_dir, stage_environment)
 from stages.engine.dist import init_distributed, shutdown_distributed
@@ -38,7 +38,7 @@ def _arguments(parser) -> None:
 def _run(args) -> dict:
     startup.CLOCK.reset()
     startup.mark("imports")                            # process start to here: interpreter, torch, the engine
-    params = load_params(args.params)
+    params = load_stage_params(args.params, "train_rm")
     settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
     env = init_distributed(settings)
     startup.mark("process_group")

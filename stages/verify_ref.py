@@ -422,11 +422,15 @@ def _verify_arguments(ap) -> None:
 
 
 def _verify(args) -> int:
-    from stages.lib.params import load_params
+    from stages.lib.declared_params import load_stage_params
 
     # A failed verification must not leave a previous run's identity looking current.
     Path(args.identity).unlink(missing_ok=True)
-    params = load_params(args.params)
+    # One module, three rules: the reference's pin, or a pinned policy / judge (their declarations differ).
+    stage = {"ref": "verify_ref", "generation.policy": "verify_policy", "generation.judge": "verify_judge"}.get(args.pin)
+    if stage is None:
+        raise RefIdentityError(f"--pin {args.pin}: must be ref, generation.policy or generation.judge")
+    params = load_stage_params(args.params, stage)
     pin = params
     for part in args.pin.split("."):
         pin = pin.get(part) if isinstance(pin, dict) else None

@@ -62,3 +62,40 @@ def dvc_changed_stages(repo: Path) -> set[str]:
 def lock_outs(text: str) -> dict[str, str]:
     doc = yaml.safe_load(text)
     return {f"{name}:{o['path']}": o.get("md5") for name, st in doc["stages"].items() for o in st.get("outs", [])}
+
+
+def declaration_gaps(reads: dict[str, set[str]], declarations: dict[str, tuple[str, ...]]) -> list[str]:
+    """What is wrong with the declarations given the keys each stage read in a run: a read no declared key covers
+    (the guard raised), and, deleting each declared key in turn, one whose deletion no read would notice (declared
+    for nothing: its changes rerun the stage, and a test could not tell it is needed)."""
+
+    def covered(key: str, declared) -> bool:
+        return "*" in declared or any(key == d or key.startswith(d + ".") for d in declared)
+
+    problems = []
+    for stage, declared in declarations.items():
+        seen = reads.get(stage, set())
+        problems += [f"{stage} read `{r}`, undeclared" for r in sorted(seen) if not covered(r, declared)]
+        for key in declared:
+            rest = [d for d in declared if d != key]
+            if seen and all(covered(r, rest) for r in seen) and key != "*":
+                problems += [f"{stage}: deleting `{key}` from its declaration fails nothing: no run read it"]
+    return problems
+
+
+def read_access_log(path) -> dict[str, set[str]]:
+    reads: dict[str, set[str]] = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        reads.setdefault(row["stage"], set()).add(row["read"])
+    return reads
+
+
+def assert_declarations_match_reads(log_path, stages_run: set[str]) -> None:
+    """Every stage of a run read only declared keys and needed each one (tests/workflow/test_pipeline_e2e.py)."""
+    from stages.lib.layout import STAGE_PARAMS
+
+    reads = read_access_log(log_path)
+    assert set(reads) >= stages_run - {"report"}, f"stages that never read params: {stages_run - set(reads)}"
+    problems = declaration_gaps(reads, {s: STAGE_PARAMS[s] for s in reads})
+    assert not problems, "\n".join(problems)

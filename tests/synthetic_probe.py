@@ -27,7 +27,7 @@ import yaml
 from stages.engine.settings import TrainSettings
 from stages.lib.environment import environment_record
 from stages.lib.io import sha256_json, write_json, write_jsonl, write_parquet
-from stages.lib.layout import bundle_artifacts
+from stages.lib.stage_plan import bundle_artifacts
 
 
 TRAIN_PAIRS = 100

@@ -69,6 +69,12 @@ def _discovered_modules(path: Path) -> tuple[Path, ...]:
     return ()
 
 
+# Declarations whose every entry reaches the rules themselves (a stage's outputs and params: workflow/rule_layout.py
+# holds each rule to them at DAG build), so an edit reruns exactly the stages whose outputs or params change. As code
+# they would rerun every stage that imports them: adding one stage's entry would rerun the whole pipeline.
+DECLARATIONS = frozenset({"stages/lib/layout.py"})
+
+
 @lru_cache(maxsize=None)
 def _code_deps(module: str, root: Path) -> tuple[str, ...]:
     first = _module_file(module, root)
@@ -78,7 +84,7 @@ def _code_deps(module: str, root: Path) -> tuple[str, ...]:
     todo = [module]
     while todo:
         path = _module_file(todo.pop(), root)
-        if path is None or path in seen:
+        if path is None or path in seen or path.relative_to(root).as_posix() in DECLARATIONS:
             continue
         seen.add(path)
         todo += _imported_modules(path)

@@ -1,20 +1,98 @@
-"""The rules against stages/lib/layout.py, checked once every rule is defined (the Snakefile calls it).
+"""The rules against stages/lib/layout.py, checked once every rule is defined (the Snakefile calls it); and the
+rule params each stage's declaration gives (`rule_params`).
 
 stages/lib/layout.py is the list `report verify` holds a bundle to: every stage's outputs must be the layout's,
 and the report must read every artifact of the stages before it. An output added to a rule by hand (or left out
 of the report's inputs) stops the DAG build here instead of making bundles that verify refuses.
+
+It also declares the params.yaml keys each stage reads (STAGE_PARAMS; a stage can read no other:
+stages/lib/declared_params.py). A rule's params are exactly those keys (`**rule_params(config, stage)`, plus
+`cli_`/`env_` values that are no params.yaml key), so Snakemake and DVC (dvc.yaml is generated from the rules)
+rerun a stage when a key it reads changes, and only then. A stage that reads a key whose value the schema may
+supply (a default) has the schema as an input too.
 """
 from __future__ import annotations
 
-from stages.lib.layout import STAGE_OUTPUTS, bundle_artifacts
+from functools import lru_cache
+from pathlib import Path
+
+from stages.lib.layout import STAGE_OUTPUTS, STAGE_PARAMS
+from stages.lib.stage_plan import bundle_artifacts
+from stages.lib.params import SCHEMA_PATH, load_schema
+
+SCHEMA = str(SCHEMA_PATH.relative_to(Path(__file__).resolve().parents[1]))
+
+
+def _lookup(config: dict, key: str):
+    node = config
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _ABSENT
+        node = node[part]
+    return node
+
+
+_ABSENT = object()
+
+
+def rule_params(config: dict, stage: str) -> dict:
+    """{rule param name: value} of every params.yaml key `stage` declares that params.yaml sets (`train__lr` is
+    train.lr: workflow/sync_dvc.py maps `__` to the dot). A declared key params.yaml leaves out (an optional one)
+    is not listed: setting it later changes the rule's params, so the stage reruns."""
+    keys = [k for k in config] if STAGE_PARAMS[stage] == ("*",) else STAGE_PARAMS[stage]
+    out = {}
+    for key in keys:
+        value = _lookup(config, key)
+        if value is not _ABSENT:
+            out[key.replace(".", "__")] = value
+    return out
+
+
+@lru_cache(maxsize=1)
+def _defaulted_paths() -> tuple[str, ...]:
+    """Dotted paths of the keys the schema gives a default (inside a oneOf alternative too: train.adapter.r)."""
+    found: list[str] = []
+
+    def walk(node, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        if "default" in node and path:
+            found.append(path)
+        for key, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{path}.{key}" if path else key)
+        for alt in node.get("oneOf", []) + node.get("anyOf", []):
+            walk(alt, path)
+    walk(load_schema(), "")
+    return tuple(found)
+
+
+def reads_schema_defaults(stage: str) -> bool:
+    """Whether a key `stage` declares can take its value from a schema default (then the schema is its input)."""
+    declared = STAGE_PARAMS[stage]
+    return any(d == "*" or p == d or p.startswith(d + ".") or d.startswith(p + ".")
+               for d in declared for p in _defaulted_paths())
+
+
+def schema_input(stage: str) -> list[str]:
+    """The schema as `stage`'s input when it supplies a default the stage reads, else nothing."""
+    return [SCHEMA] if reads_schema_defaults(stage) else []
 
 
 def check_rules_follow_layout(rules, config: dict) -> None:
     for stage, outputs in STAGE_OUTPUTS.items():
-        declared = {str(f) for f in getattr(rules, stage).output}
+        rule = getattr(rules, stage)
+        declared = {str(f) for f in rule.output}
         if declared != set(outputs.values()):
             raise ValueError(f"rule {stage}: outputs {sorted(declared)} are not stages/lib/layout.py's "
                              f"{sorted(outputs.values())}")
+        listed = {name for name in rule.params.keys() if not name.startswith(("cli_", "env_"))}
+        wanted = set(rule_params(config, stage))
+        if listed != wanted:
+            raise ValueError(f"rule {stage}: params {sorted(listed)} are not its declaration's {sorted(wanted)} "
+                             f"(stages/lib/layout.py STAGE_PARAMS; rules take `**rule_params(config, {stage!r})`)")
+        if reads_schema_defaults(stage) and SCHEMA not in {str(f) for f in rule.input}:
+            raise ValueError(f"rule {stage}: reads a key the schema may default; {SCHEMA} must be an input "
+                             f"(`schema=schema_input({stage!r})`)")
     missing = set(bundle_artifacts(config)) - {str(f) for f in rules.report.input}
     if missing:
         raise ValueError(f"rule report: the evidence bundle would miss {sorted(missing)} (stages/lib/layout.py)")

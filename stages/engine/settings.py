@@ -15,6 +15,14 @@ class TrainConfigError(ValueError):
     """A training knob is refused before anything is built."""
 
 
+# The `train` keys a no-grad pass reads (TrainSettings.for_inference): where it runs, in which dtype and batches,
+# sharded or not (fsdp2 with bf16_sr_8bit holds the weights in bf16: `optimizer`). ref_logps, generate and judge
+# declare exactly these (stages/lib/layout.py ENGINE_INFERENCE_KEYS); their params view refuses any other.
+INFERENCE_FIELDS = frozenset({"gpus", "cpu_threads", "portable_numerics", "parallel", "precision", "optimizer",
+                              "inference_micro_batch_tokens", "logp_chunk_tokens", "temperature", "compile",
+                              "share_prompt", "cuda_graphs"})
+
+
 @dataclass(frozen=True)
 class TrainSettings:
     gpus: int                          # 0 = CPU with gloo; N = one process per GPU with nccl
@@ -82,6 +90,16 @@ class TrainSettings:
             if out[optional] is None:
                 del out[optional]
         return out
+
+    @classmethod
+    def for_inference(cls, params: dict) -> "TrainSettings":
+        """The settings of a no-grad pass (ref_logps, generate, judge): only the `train` keys such a pass reads
+        (INFERENCE_FIELDS; those stages declare them: stages/lib/layout.py ENGINE_INFERENCE_KEYS), so a new learning rate or epoch
+        count leaves their outputs, and their rules, alone. The training-only fields are None: a no-grad path that
+        used one would fail on it, never run on a value its rule does not rerun for. The values were validated
+        with the whole file when it was loaded (stages.lib.params.load_params)."""
+        train = params["train"]
+        return cls(**{f.name: (train.get(f.name) if f.name in INFERENCE_FIELDS else None) for f in fields(cls)})
 
     @classmethod
     def from_params(cls, params: dict) -> "TrainSettings":

@@ -22,7 +22,8 @@ import json
 from collections import Counter
 from typing import Any, Callable
 
-from stages.lib.layout import STAGE_OUTPUTS, TRAINED
+from stages.lib.layout import STAGE_OUTPUTS
+from stages.lib.stage_plan import TRAINED
 
 NORMALIZE_STATS = STAGE_OUTPUTS["normalize"]["stats"]
 TOKENIZE_REPORT = STAGE_OUTPUTS["tokenize"]["report"]

@@ -32,7 +32,8 @@ from stages.lib.evidence_generation import check_generation, generation_members
 from stages.lib.evidence_records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
                                          record_problems)
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
-from stages.lib.layout import STAGE_OUTPUTS, TRAINED, bundle_artifacts
+from stages.lib.layout import STAGE_OUTPUTS
+from stages.lib.stage_plan import TRAINED, bundle_artifacts
 from stages.lib.params import resolved_train
 
 FLOAT_REL_TOL = 1e-9     # recomputed float64 metrics: same numpy reduction order, only last-bit slack

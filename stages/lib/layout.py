@@ -1,10 +1,15 @@
-"""Where the pipeline writes each artifact, by stage: the one list of artifact paths.
+"""The stages' declarations: where each writes its artifacts, and which params.yaml keys it reads.
 
 The rules take their outputs from here (workflow/rules/*.smk: `OUT["normalize"]["pairs"]`), the report rule
 hands those outputs to the report stage, and `report verify` requires every artifact of the run to be in a
 bundle's manifest (naming the stage to rerun for one that is missing). One list, so the DAG, the bundle and
 the check cannot drift apart. Keys are the rules' output names. A stage's log (logs/<stage>.log) belongs to
 its rule and is no artifact.
+
+Declarations only, no logic (which stages run under given params: stages/lib/stage_plan.py). Everything here
+reaches the rules as their outputs and params (workflow/rule_layout.py checks each rule against it at DAG build),
+so an edit reruns exactly the stages whose outputs or params it changes; that is why workflow/code_deps.py does not
+count this file as any stage's code (adding one stage's entry must not rerun the others).
 """
 from __future__ import annotations
 
@@ -53,51 +58,33 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
                "curves": "results/report/curves"},
 }
 
-# The trained models by the label the report and evaluate give them (metrics/<label>.json, the bundle's
-# curves/<label>_train_curves.png, `evaluation.<label>` of its manifest) -> the stage that trains it.
-TRAINED: dict[str, str] = {"dpo": "train_dpo", "rm": "train_rm"}
-
-
-def uses_ref_logps(params: dict) -> bool:
-    """Only DPO with a frozen reference reads reference log-probs; `dpo_ref_free` has no ref_logps stage."""
-    return params["dpo"]["objective"] == "dpo"
-
-
-def uses_sft(params: dict) -> bool:
-    """params `sft` set (not null, not absent): the sft stage runs, and its export is the reference."""
-    return params.get("sft") is not None
-
-
-def reference_identity(params: dict) -> str:
-    """The identity every stage after tokenize loads the reference through: the sft stage's pinned export when SFT
-    runs, else verify_ref's identity of the pinned snapshot (the tokenizer, the same in both, is verify_ref's)."""
-    return STAGE_OUTPUTS["sft"]["identity"] if uses_sft(params) else STAGE_OUTPUTS["verify_ref"]["identity"]
-
-
-def pinned_models(params: dict) -> list[str]:
-    """The generation models params pin instead of taking them from training ("policy", "judge")."""
-    return [role for role in ("policy", "judge") if isinstance(params["generation"][role], dict)]
-
-
-
-def pinned_model_inputs(params: dict, role: str) -> dict[str, str | list[str]]:
-    """verify_<role>'s inputs for a pinned model: its directory, and a local pin's lock (which changes with any
-    file); empty lists when `role` is trained here."""
-    if role not in pinned_models(params):
-        return {"model_dir": [], "lock": []}
-    pin = params["generation"][role]
-    return {"model_dir": pin["local_dir"],
-            "lock": [f"{pin['local_dir']}/prefpipe.lock.json"] if pin["source"] == "local" else []}
-
-def stages(params: dict) -> list[str]:
-    """The pipeline's stages under these params, in the order above."""
-    optional = {"ref_logps": uses_ref_logps(params), "sft": uses_sft(params),
-                **{f"verify_{role}": role in pinned_models(params) for role in ("policy", "judge")}}
-    return [s for s in STAGE_OUTPUTS if optional.get(s, True)]
-
-
-def bundle_artifacts(params: dict) -> dict[str, str]:
-    """{path: stage} of every artifact an evidence bundle's manifest hashes: the outputs of every stage
-    before report (report's own outputs are the bundle)."""
-    return {path: stage for stage in stages(params) if stage != "report"
-            for path in STAGE_OUTPUTS[stage].values()}
+# The params.yaml keys each stage reads (dotted paths; a path covers its subtree; `*` the whole file). A stage sees
+# only these (stages/lib/declared_params.py: reading any other key raises, naming it), and its rule lists exactly
+# these as its params (workflow/rules: `**rule_params(config, stage)`), so Snakemake and DVC rerun the stage when
+# one of them changes and never otherwise. A key that decides no byte of a stage's outputs stays out (a new
+# learning rate must not recompute the reference log-probs).
+# The engine's no-grad passes (reference log-probs, generation, judging) read these `train` keys and no other
+# (stages/engine/settings.py TrainSettings.for_inference): where they run, in which dtype and batches, sharded or not.
+ENGINE_INFERENCE_KEYS = tuple(f"train.{k}" for k in (
+    "gpus", "cpu_threads", "portable_numerics", "parallel", "precision", "optimizer", "inference_micro_batch_tokens",
+    "logp_chunk_tokens", "temperature", "compile", "share_prompt", "cuda_graphs"))
+STAGE_PARAMS: dict[str, tuple[str, ...]] = {
+    "environment": ("train.gpus", "train.cpu_threads", "train.portable_numerics"),
+    "normalize": ("data",),
+    "freeze_probe": ("probe", "tokenize.max_length", "tokenize.max_prompt_length", "tokenize.truncation"),
+    "verify_ref": ("ref",),
+    "tokenize": ("tokenize",),
+    "sft": ("sft", "train", "tokenize"),
+    "ref_logps": ENGINE_INFERENCE_KEYS,
+    "train_dpo": ("train", "dpo"),
+    "train_rm": ("train", "rm"),
+    "evaluate": ("evaluate", "probe.size", "dpo.beta", "dpo.objective"),
+    "verify_policy": ("generation.policy",),
+    "verify_judge": ("generation.judge",),
+    "generate": ("generation.policy", "generation.max_new_tokens", "generation.temperature", "generation.top_p",
+                 "generation.top_k", "generation.repetition_penalty", "generation.seed", "generation.n",
+                 "generation.batch_size", *ENGINE_INFERENCE_KEYS),
+    # generation.temperature: greedy completions (0) get a log-ratio, not a KL estimate, in metrics/generation.json.
+    "judge": ("generation.judge", "generation.grader", "generation.temperature", "evaluate", *ENGINE_INFERENCE_KEYS),
+    "report": ("*",),
+}

@@ -472,7 +472,9 @@ def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[di
         "kl": {**{k.replace("kl_", ""): v for k, v in bounded("kl_per_completion").items()},
                "per_token": log_ratio_tokens},
     }
-    gen = params.get("generation") or {}         # (a caller that passes evaluate's params only: no generation view)
+    gen = params.get("generation")               # absent for a caller that passes evaluate's params only
+    if gen is None:                              # (not `or {}`: truth-testing a stage's params view reads it whole)
+        gen = {}
     if gen.get("temperature") == 0:
         # Greedy completions are no sample of the policy: their log-ratio is not a KL estimate (issue 33).
         metrics["log_ratio"] = metrics.pop("kl")

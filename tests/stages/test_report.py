@@ -21,7 +21,7 @@ import yaml
 
 from stages import report as rp
 from stages.lib import evidence as ev
-from stages.lib.layout import bundle_artifacts
+from stages.lib.stage_plan import bundle_artifacts
 from synthetic_probe import write_all, write_sources
 
 from conftest import REPO_ROOT as REPO

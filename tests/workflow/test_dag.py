@@ -262,7 +262,8 @@ def test_the_workflow_uses_only_public_names_of_the_data_package_and_no_stage_in
 def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
     """stages/lib/layout.py is the one list of artifact paths: the rules take their outputs from it, and an output
     added to a rule by hand (which the evidence bundle would never vouch for) stops the DAG build, naming the rule."""
-    from stages.lib.layout import STAGE_OUTPUTS, bundle_artifacts
+    from stages.lib.layout import STAGE_OUTPUTS
+    from stages.lib.stage_plan import bundle_artifacts
 
     jobs, config = sync_dvc.snakemake_jobs()
     dvc = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
@@ -282,3 +283,28 @@ def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
     r = subprocess.run(["snakemake", "-n", "--quiet"], cwd=tmp_path, capture_output=True, text=True)
     assert r.returncode != 0 and "rule normalize: outputs" in r.stdout + r.stderr, r.stdout + r.stderr
     assert "are not stages/lib/layout.py's" in r.stdout + r.stderr
+
+
+def test_rule_params_are_the_stage_declaration_and_a_hand_listed_one_stops_the_dag(tmp_path):
+    """A rule's params are exactly the keys its stage declares (stages/lib/layout.py STAGE_PARAMS): a key listed by
+    hand beside them (which the stage cannot read) stops the DAG build naming the rule; each rule's params in
+    dvc.yaml are its declaration's keys that params.yaml sets."""
+    from stages.lib.layout import STAGE_PARAMS
+    from rule_layout import rule_params
+
+    jobs, config = sync_dvc.snakemake_jobs()
+    dvc = yaml.safe_load((REPO_ROOT / "dvc.yaml").read_text())["stages"]
+    for stage in dvc:
+        want = sorted(k.replace("__", ".") for k in rule_params(config, stage))
+        assert sorted(dvc[stage].get("params", [])) == want, stage
+        assert STAGE_PARAMS[stage]
+
+    _copy_workflow(tmp_path)
+    rules = tmp_path / "workflow/rules/evaluate.smk"
+    text = rules.read_text()
+    anchor = '        **rule_params(config, "evaluate"),\n'
+    assert anchor in text
+    rules.write_text(text.replace(anchor, anchor + '        train__lr=config["train"]["lr"],\n'))
+    r = subprocess.run(["snakemake", "-n", "--quiet"], cwd=tmp_path, capture_output=True, text=True)
+    assert r.returncode != 0 and "rule evaluate: params" in r.stdout + r.stderr, r.stdout + r.stderr
+    assert "train__lr" in r.stdout + r.stderr

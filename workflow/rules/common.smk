@@ -14,7 +14,11 @@ for _path in (_REPO, str(Path(_REPO) / "workflow")):
 # A rule's code inputs are computed from its stage module's imports (workflow/code_deps.py): every
 # stages/ file the stage runs, so editing one reruns exactly the stages that import it.
 from code_deps import code_deps
-from stages.lib.layout import STAGE_OUTPUTS as OUT, uses_ref_logps
+from stages.lib.layout import STAGE_OUTPUTS as OUT
+from stages.lib.stage_plan import uses_ref_logps
+# A rule's params are the params.yaml keys its stage declares (stages/lib/layout.py STAGE_PARAMS; the stage can read
+# no other), plus `cli_` values; the schema is an input of a stage that reads a key it may default.
+from rule_layout import rule_params, schema_input
 
 LOGS = "logs"
 

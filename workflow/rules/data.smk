@@ -19,7 +19,7 @@ rule normalize:
         rejections=OUT["normalize"]["rejections"],
         stats=OUT["normalize"]["stats"],
     params:
-        data=config["data"],
+        **rule_params(config, "normalize"),
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -44,10 +44,7 @@ rule freeze_probe:
         probe=OUT["freeze_probe"]["probe"],
         manifest=OUT["freeze_probe"]["manifest"],
     params:
-        probe=config["probe"],
-        tokenize__max_length=config["tokenize"]["max_length"],
-        tokenize__max_prompt_length=config["tokenize"]["max_prompt_length"],
-        tokenize__truncation=config["tokenize"]["truncation"],
+        **rule_params(config, "freeze_probe"),
     conda:
         "../envs/pipeline.yaml"
     log:

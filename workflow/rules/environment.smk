@@ -11,9 +11,7 @@ rule environment:
     output:
         record=ENV_RECORD,
     params:
-        train__gpus=config["train"]["gpus"],
-        train__cpu_threads=config["train"]["cpu_threads"],
-        train__portable_numerics=config["train"]["portable_numerics"],
+        **rule_params(config, "environment"),
         # Snakemake-only rerun trigger (sync_dvc.py drops env_* params): a package upgraded outside the
         # lock reruns this rule; DVC sees only the lock file.
         env_installed=installed_fingerprint(config["train"]),

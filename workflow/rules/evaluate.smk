@@ -20,10 +20,7 @@ rule evaluate:
         metrics_rm=OUT["evaluate"]["metrics_rm"],
         bootstrap=OUT["evaluate"]["bootstrap"],
     params:
-        evaluate=config["evaluate"],
-        probe__size=config["probe"]["size"],
-        dpo__beta=config["dpo"]["beta"],
-        dpo__objective=config["dpo"]["objective"],
+        **rule_params(config, "evaluate"),
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -75,22 +72,14 @@ rule report:
         sources=rules.normalize.input.sources,
         # report's `verify` recomputes metrics with lib/scoring.py (evaluate's code) and the environment with lib's.
         code=code_deps("stages.report"),
+        schema=schema_input("report"),
     output:
         bundle=OUT["report"]["bundle"],
         summary=OUT["report"]["summary"],
         curves=directory(OUT["report"]["curves"]),
     params:
         # The bundle carries params.yaml itself, so every section is a dependency.
-        data=config["data"],
-        probe=config["probe"],
-        ref=config["ref"],
-        tokenize=config["tokenize"],
-        train=config["train"],
-        dpo=config["dpo"],
-        rm=config["rm"],
-        evaluate=config["evaluate"],
-        generation=config["generation"],
-        sft=config.get("sft"),
+        **rule_params(config, "report"),
     conda:
         "../envs/pipeline.yaml"
     log:

@@ -3,16 +3,12 @@
 # as `ref` is and proved by verify_policy / verify_judge (stages.verify_ref verify --pin generation.<role>); with
 # both pinned, `snakemake --cores 2 judge` evaluates them without training anything (no train_* job in its DAG).
 
-from stages.lib.layout import pinned_model_inputs, pinned_models
+from stages.lib.stage_plan import pinned_model_inputs, pinned_models
 
 GEN = config["generation"]
 PINNED = pinned_models(config)
 # One process; on GPU runs one GPU (generation is not data-parallel).
 GEN_RESOURCES = train_resources(min(TRAIN["gpus"], 1), 1, TRAIN["cpu_threads"], {**SLURM, "nodes": 1})
-# The train knobs the generation and scoring passes read (device, precision, CPU pin, inference batches).
-ENGINE_PARAMS = {f"train__{k}": TRAIN[k] for k in ("gpus", "cpu_threads", "portable_numerics", "precision",
-                                                  "inference_micro_batch_tokens", "logp_chunk_tokens",
-                                                  "share_prompt", "cuda_graphs", "temperature")}
 
 
 rule verify_policy:
@@ -23,7 +19,7 @@ rule verify_policy:
     output:
         identity=OUT["verify_policy"]["identity"],
     params:
-        generation__policy=GEN["policy"],
+        **rule_params(config, "verify_policy"),
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -43,7 +39,7 @@ rule verify_judge:
     output:
         identity=OUT["verify_judge"]["identity"],
     params:
-        generation__judge=GEN["judge"],
+        **rule_params(config, "verify_judge"),
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -68,8 +64,7 @@ rule generate:
         info=OUT["generate"]["info"],
     params:
         # Every generation knob but the judge: a new judge must not generate again.
-        **{f"generation__{k}": v for k, v in GEN.items() if k not in ("judge", "grader")},
-        **ENGINE_PARAMS,
+        **rule_params(config, "generate"),
         cli_policy=lambda w, input: ("--policy-identity " if "policy" in PINNED else "--policy-model ") + input.policy,
     resources:
         **GEN_RESOURCES,
@@ -100,10 +95,7 @@ rule judge:
         metrics_generation=OUT["judge"]["metrics_generation"],
         summary=OUT["judge"]["summary"],
     params:
-        generation__judge=GEN["judge"],
-        generation__grader=GEN.get("grader"),
-        evaluate=config["evaluate"],
-        **ENGINE_PARAMS,
+        **rule_params(config, "judge"),
         cli_judge=lambda w, input: ("--judge-identity " if "judge" in PINNED else "--judge-model ") + input.judge,
     resources:
         **GEN_RESOURCES,

@@ -11,7 +11,7 @@ rule verify_ref:
     output:
         identity=OUT["verify_ref"]["identity"],
     params:
-        ref=config["ref"],
+        **rule_params(config, "verify_ref"),
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -37,7 +37,7 @@ rule tokenize:
         report=OUT["tokenize"]["report"],
         rejections=OUT["tokenize"]["rejections"],
     params:
-        tokenize=config["tokenize"],
+        **rule_params(config, "tokenize"),
     # The stage runs tokenize.workers processes (0 = all cores); Snakemake caps threads at --cores.
     threads: config["tokenize"].get("workers") or len(os.sched_getaffinity(0)),
     conda:

@@ -10,7 +10,7 @@ import os
 
 from launch import torchrun_launch, train_resources
 from stages.data.sft_sources import resolve_sft_source_files
-from stages.lib.layout import reference_identity, uses_sft
+from stages.lib.stage_plan import reference_identity, uses_sft
 
 TRAIN = config["train"]
 NPROC = TRAIN["gpus"] if TRAIN["gpus"] > 0 else TRAIN["cpu_procs"]
@@ -44,6 +44,7 @@ rule sft:
         if SFT_SOURCES
         else [],
         code=code_deps("stages.sft"),
+        schema=schema_input("sft"),
     output:
         model=directory(OUT["sft"]["model"]),
         identity=OUT["sft"]["identity"],
@@ -54,9 +55,7 @@ rule sft:
         probe_final=OUT["sft"]["probe_final"],
     params:
         cli_launch=LAUNCH,
-        sft=config.get("sft"),
-        train=config["train"],
-        tokenize=config["tokenize"],
+        **rule_params(config, "sft"),
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
         cli_data=lambda w, input: (f"--train-tokens {input.train_tokens}" if SFT_SOURCES is None
                                    else f"--probe {input.probe}"),
@@ -89,12 +88,7 @@ rule ref_logps:
     params:
         cli_launch=LAUNCH,
         # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
-        train__inference_micro_batch_tokens=TRAIN["inference_micro_batch_tokens"],
-        train__logp_chunk_tokens=TRAIN["logp_chunk_tokens"],
-        train__temperature=TRAIN["temperature"],
-        train__precision=TRAIN["precision"],
-        train__share_prompt=TRAIN["share_prompt"],
-        train__compile=TRAIN["compile"],
+        **rule_params(config, "ref_logps"),
     resources:
         **TRAIN_RESOURCES,
     conda:
@@ -123,6 +117,7 @@ rule train_dpo:
         identity=REF_IDENTITY,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
         code=code_deps("stages.train_dpo"),
+        schema=schema_input("train_dpo"),
     output:
         model=directory(OUT["train_dpo"]["model"]),
         plots_train_log=OUT["train_dpo"]["plots_train_log"],
@@ -131,8 +126,7 @@ rule train_dpo:
         probe_final=OUT["train_dpo"]["probe_final"],
     params:
         cli_launch=LAUNCH,
-        train=config["train"],
-        dpo=config["dpo"],
+        **rule_params(config, "train_dpo"),
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
         cli_ref_logps=lambda w, input: f"--ref-logps {input.ref_logps}" if USES_REF_LOGPS else "",
     resources:
@@ -159,6 +153,7 @@ rule train_rm:
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
         code=code_deps("stages.train_rm"),
+        schema=schema_input("train_rm"),
     output:
         model=directory(OUT["train_rm"]["model"]),
         plots_train_log=OUT["train_rm"]["plots_train_log"],
@@ -167,8 +162,7 @@ rule train_rm:
         probe_final=OUT["train_rm"]["probe_final"],
     params:
         cli_launch=LAUNCH,
-        train=config["train"],
-        rm=config["rm"],
+        **rule_params(config, "train_rm"),
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
     resources:
         **TRAIN_RESOURCES,
