@@ -60,6 +60,15 @@ include: "workflow/rules/generation.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/slurm.smk"
 
+
+# A new stage's rule file needs no line here: every other workflow/rules/*.smk is included after the ones above (its
+# rules may use theirs), in name order. Adding a stage is four files (docs/ARCHITECTURE.md, "How to add a stage").
+for _extra in sorted(set(Path(workflow.basedir, "workflow/rules").glob("*.smk")) - {
+        Path(workflow.basedir, "workflow/rules", f"{_name}.smk") for _name in (
+            "common", "environment", "data", "reference", "train", "generation", "evaluate", "slurm")}):
+
+    include: str(_extra)
+
 # Every rule's outputs are stages/lib/layout.py's, and the report reads them all (what `report verify` requires).
 from rule_layout import check_rules_follow_layout
 

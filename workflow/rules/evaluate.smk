@@ -1,5 +1,7 @@
 # Evaluation on the frozen probe, and the evidence bundle of the whole run.
 
+from stages.lib.stage_plan import bundle_artifacts
+
 DPO_OUT = rules.train_dpo.output
 RM_OUT = rules.train_rm.output
 
@@ -37,19 +39,12 @@ rule evaluate:
 
 
 # Every upstream artifact the bundle's manifest hashes (never packs): data, tokens, models.
-HASHED_ARTIFACTS = [
-    *rules.normalize.output,
-    *rules.freeze_probe.output,
-    *rules.verify_ref.output,
-    *rules.tokenize.output,
-    *(rules.sft.output if USES_SFT else []),
-    *(rules.ref_logps.output if USES_REF_LOGPS else []),
-    DPO_OUT.model,
-    RM_OUT.model,
-    *rules.generate.output,
-    *(rules.verify_policy.output if "policy" in PINNED else []),
-    *(rules.verify_judge.output if "judge" in PINNED else []),
-]
+# Every artifact of the stages before report (stages/lib/stage_plan.py bundle_artifacts, from the layout), but those
+# the report reads in a role of its own below: a new stage's outputs reach the bundle with no edit here.
+OWN_ROLES = {*(o for out in (DPO_OUT, RM_OUT) for o in (out.plots_train_log, out.run_info, out.probe_step0,
+                                                       out.probe_final)),
+             *rules.evaluate.output, *rules.judge.output, ENV_RECORD}
+HASHED_ARTIFACTS = [path for path in bundle_artifacts(config) if path not in OWN_ROLES]
 
 
 rule report:
