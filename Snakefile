@@ -57,6 +57,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/generation.smk"
+include: "workflow/rules/rounds.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/slurm.smk"
 

@@ -98,8 +98,9 @@ def _arguments(parser) -> None:
     parser.add_argument("--round", type=int, required=True, help="k >= 2: the round these pairs train")
     parser.add_argument("--identity", required=True, help="the reference's ref_identity.json (its tokenizer)")
     parser.add_argument("--policy-model", required=True, help="the previous round's policy export")
-    parser.add_argument("--judge-model", help="the judge's directory (train_rm's export, or a pin's); not read when "
-                        "rounds.judge is grader")
+    judge = parser.add_mutually_exclusive_group()
+    judge.add_argument("--judge-model", help="the judge's directory (train_rm's export); rounds.judge trained")
+    judge.add_argument("--judge-identity", help="a pinned judge's identity (verify_judge); rounds.judge trained")
     parser.add_argument("--train-tokens", required=True, help="tokenize's train_tokens.parquet (the prompts)")
     parser.add_argument("--train", help="freeze_probe's train.parquet (the prompts' messages): needed when "
                         "rounds.judge is grader")
@@ -129,9 +130,9 @@ def _run(args) -> None:
         check_same_vocabulary(tokenizer, load_tokenizer(policy_dir), "policy", policy_dir, ref_dir)
         judge_dir = None
         if params["rounds"].get("judge", "trained") == "trained":
-            if not args.judge_model:
-                raise RoundPairsError("rounds.judge is trained: --judge-model is required")
-            judge_dir = Path(args.judge_model)
+            if not (args.judge_model or args.judge_identity):
+                raise RoundPairsError("rounds.judge is trained: --judge-model or --judge-identity is required")
+            judge_dir = Path(args.judge_model) if args.judge_model else Path(load_verified_dir(args.judge_identity))
             check_same_vocabulary(tokenizer, load_tokenizer(judge_dir), "judge", judge_dir, ref_dir)
         train = load_token_pairs(args.train_tokens, model_vocab_size(ref_dir))
         prompts = unique_prompts(train.seq_ids[0::2], [int(x) for x in train.seq_prompt_lens[0::2]])

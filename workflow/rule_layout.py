@@ -6,11 +6,15 @@ of the report's inputs) stops the DAG build here instead of making bundles that 
 """
 from __future__ import annotations
 
-from stages.lib.layout import STAGE_OUTPUTS, bundle_artifacts
+from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS, bundle_artifacts, n_rounds, round_outputs, round_rule
 
 
 def check_rules_follow_layout(rules, config: dict) -> None:
-    for stage, outputs in STAGE_OUTPUTS.items():
+    expected = {stage: outputs for stage, outputs in STAGE_OUTPUTS.items()}
+    expected |= {round_rule(part, k): round_outputs(part, k) for k in range(2, n_rounds(config) + 1)
+                 for part in ROUND_OUTPUTS}
+    expected["rounds_metrics"] = {"metrics_rounds": ROUNDS_METRICS}
+    for stage, outputs in expected.items():
         declared = {str(f) for f in getattr(rules, stage).output}
         if declared != set(outputs.values()):
             raise ValueError(f"rule {stage}: outputs {sorted(declared)} are not stages/lib/layout.py's "

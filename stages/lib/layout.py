@@ -53,6 +53,44 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
                "curves": "results/report/curves"},
 }
 
+# Iterative DPO (issue 36): round k >= 2's stages, one set of rules per round (workflow/rules/rounds.smk generates
+# round{k}_<stage> rules for k = 2 .. dpo.rounds, each a DVC stage of that name); "{k}" is the round. Round 1 is the
+# offline DPO above (train_dpo, generate, judge).
+ROUND_OUTPUTS: dict[str, dict[str, str]] = {
+    "pairs": {"pairs": "results/rounds/{k}/pairs/train_tokens.parquet",
+              "rejections": "results/rounds/{k}/pairs/rejections.parquet",
+              "report": "results/rounds/{k}/pairs/pairs_report.json"},
+    "ref_logps": {"ref_logps": "results/rounds/{k}/ref_logps/ref_logps.parquet"},
+    "train_dpo": {"model": "results/rounds/{k}/train_dpo/model",
+                  "train_log": "results/rounds/{k}/train_dpo/train_log.csv",
+                  "run_info": "results/rounds/{k}/train_dpo/run_info.json",
+                  "probe_step0": "results/rounds/{k}/train_dpo/probe_step0.jsonl",
+                  "probe_final": "results/rounds/{k}/train_dpo/probe_final.jsonl"},
+    "generate": {"generations": "results/rounds/{k}/generate/generations.parquet",
+                 "info": "results/rounds/{k}/generate/generation_info.json"},
+    "judge": {"judgments": "results/rounds/{k}/judge/judgments.jsonl",
+              "generation": "results/rounds/{k}/judge/generation.json",
+              "summary": "results/rounds/{k}/judge/judge_summary.json"},
+}
+ROUNDS_METRICS = "metrics/rounds.json"
+
+
+def n_rounds(params: dict) -> int:
+    """dpo.rounds (absent = 1: offline DPO only)."""
+    return int(params["dpo"].get("rounds", 1))
+
+
+def round_outputs(part: str, k: int) -> dict[str, str]:
+    """Round k's (>= 2) outputs of one part (ROUND_OUTPUTS' keys)."""
+    if k < 2:
+        raise ValueError(f"round {k}: round 1 is the offline DPO's stages (train_dpo, generate, judge)")
+    return {name: path.format(k=k) for name, path in ROUND_OUTPUTS[part].items()}
+
+
+def round_rule(part: str, k: int) -> str:
+    return f"round{k}_{part}"
+
+
 # The trained models by the label the report and evaluate give them (metrics/<label>.json, the bundle's
 # curves/<label>_train_curves.png, `evaluation.<label>` of its manifest) -> the stage that trains it.
 TRAINED: dict[str, str] = {"dpo": "train_dpo", "rm": "train_rm"}
