@@ -137,5 +137,8 @@ def stages(params: dict) -> list[str]:
 def bundle_artifacts(params: dict) -> dict[str, str]:
     """{path: stage} of every artifact an evidence bundle's manifest hashes: the outputs of every stage
     before report (report's own outputs are the bundle)."""
-    return {path: stage for stage in stages(params) if stage != "report"
-            for path in STAGE_OUTPUTS[stage].values()}
+    out = {path: stage for stage in stages(params) if stage != "report"
+           for path in STAGE_OUTPUTS[stage].values()}
+    if n_rounds(params) > 1:       # the rounds' record, packed (summary.md's rounds table); their models stay outside
+        out[ROUNDS_METRICS] = "rounds_metrics"
+    return out

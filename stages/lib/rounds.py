@@ -262,3 +262,36 @@ def rounds_record(rounds: list[dict], evaluate: dict) -> dict:
     last = out[-1]
     return {"rounds": out, "n_probe_prompts": n, "confidence": conf,
             "improved_over_round1": bool(len(out) > 1 and last["graded_success_diff_vs_round1"]["ci_low"] > 0)}
+
+
+def render_rounds_section(record: dict | None) -> list[str]:
+    """summary.md's lines on the rounds (metrics/rounds.json); [] when the run had one round."""
+    if not record:
+        return []
+
+    def ci(b: dict | None, signed: bool = False) -> str:
+        if b is None:
+            return ""
+        f = "{:+.4f}" if signed else "{:.4f}"
+        return f"{f.format(b['point'])} [{f.format(b['ci_low'])}, {f.format(b['ci_high'])}]"
+
+    lines = ["## Iterative DPO rounds", "",
+             f"Graded success on the {record['n_probe_prompts']} probe prompts, paired bootstrap "
+             f"({int(round(record['confidence'] * 100))}% intervals); win rates by the judge; pairs: built "
+             "(rejected tie / margin / too_long).", "",
+             "| round | probe accuracy | win rate vs reference [CI] | vs previous round | graded success [CI] | "
+             "vs round 1 [CI] | KL / log-ratio per completion | pairs |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in record["rounds"]:
+        p = r.get("pairs")
+        pairs = "" if p is None else (f"{p['pairs']} ({p['rejected']['tie']} / {p['rejected']['margin']} / "
+                                      f"{p['rejected']['too_long']})")
+        kl = r["kl_to_reference"]["per_completion"]
+        lines.append(f"| {r['round']} | {r['probe_accuracy']:.4f} | {ci(r['win_rate_vs_reference'])} | "
+                     f"{ci(r.get('win_rate_vs_previous'))} | {ci(r['graded_success'])} | "
+                     f"{ci(r.get('graded_success_diff_vs_round1'), signed=True)} | "
+                     f"{'' if kl is None else f'{kl:.4f}'} | {pairs} |")
+    lines += ["", "The last round " + ("beats" if record["improved_over_round1"] else "does not beat") +
+              " round 1 (the lower bound of the graded-success difference " +
+              ("above" if record["improved_over_round1"] else "not above") + " 0).", ""]
+    return lines

@@ -3,13 +3,12 @@ every prompt without one, the token rows train_dpo reads, and metrics/rounds.jso
 from __future__ import annotations
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 from stages.lib.contracts import TOKENS_SCHEMA, token_hash, token_hash_problem
 from stages.lib.rounds import (REJECT_REASONS, RoundPairsError, Sample, build_round_pairs, content_of, head_to_head,
-                               pairs_report, pairs_table, prompt_id, rejections_table, rounds_record, select_prompts,
-                               unique_prompts)
+                               pairs_report, pairs_table, prompt_id, rejections_table, render_rounds_section,
+                               rounds_record, select_prompts, unique_prompts)
 from stages.lib.scoring import bootstrap_indices
 
 EOS = 2
@@ -107,6 +106,7 @@ def round_parts(k, success, rewards, pairs=None):
             "dpo": {"final": {"accuracy": 0.9, "accuracy_ci_low": 0.85, "accuracy_ci_high": 0.95}}, "pairs": pairs}
 
 
+PAIRS = {"pairs": 10, "rejected": {"tie": 3, "margin": 1, "too_long": 0}}
 EVAL = {"bootstrap_replicates": 2000, "seed": 7, "confidence": 0.95}
 
 
@@ -116,7 +116,7 @@ def test_rounds_record_differences_are_paired_over_probe_prompts():
     first = rng.random(n) < 0.5
     better = first | (rng.random(n) < 0.4)          # round 2 keeps every success of round 1 and gains more
     rec = rounds_record([round_parts(1, list(first), list(rng.random(n))),
-                         round_parts(2, list(better), list(rng.random(n) + 1.0), {"pairs": 10})], EVAL)
+                         round_parts(2, list(better), list(rng.random(n) + 1.0), PAIRS)], EVAL)
     r1, r2 = rec["rounds"]
     assert r1["graded_success"]["point"] == pytest.approx(first.mean())
     d = r2["graded_success_diff_vs_round1"]
@@ -125,7 +125,12 @@ def test_rounds_record_differences_are_paired_over_probe_prompts():
     # every round-2 reward is higher: it wins every head-to-head against round 1
     assert r2["win_rate_vs_previous"] == {"point": 1.0, "ci_low": 1.0, "ci_high": 1.0}
     assert r2["kl_to_reference"] == {"kind": "log_ratio", "per_completion": 1.5, "per_token": 0.2}
-    assert "win_rate_vs_previous" not in r1 and r2["pairs"] == {"pairs": 10}
+    assert "win_rate_vs_previous" not in r1 and r2["pairs"] == PAIRS
+    table = render_rounds_section(rec)
+    assert table[0] == "## Iterative DPO rounds" and render_rounds_section(None) == []
+    row2 = next(line for line in table if line.startswith("| 2 |"))
+    assert f"{d['point']:+.4f} [{d['ci_low']:+.4f}, {d['ci_high']:+.4f}]" in row2 and "1.0000 [1.0000, 1.0000]" in row2
+    assert "The last round beats round 1" in table[-2]
     # the same rounds the other way round: no improvement
     rec_down = rounds_record([round_parts(1, list(better), [0.0] * n), round_parts(2, list(first), [0.0] * n)], EVAL)
     assert rec_down["improved_over_round1"] is False
