@@ -1,16 +1,19 @@
 """Iterative DPO end to end (issue 36): the embedded default with dpo.rounds 3, real Snakemake and DVC in a temporary
 git repository. Round 3's graded probe success (the embedded_colours grader, on the frozen probe no round samples
 from) beats round 1's with the lower 95% bound of the paired difference above 0; every round's parts are DVC stages
-recorded in dvc.lock; a second run does nothing."""
+recorded in dvc.lock; a second run does nothing; kill -9 of round 2's trainer, then a plain run: round 1 is not
+run again and the record is the uninterrupted run's, byte for byte."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 import yaml
 
-from pipeline_helpers import commit, copy_checkout, dvc_changed_stages, sh
+from pipeline_helpers import _kill_when_running, commit, copy_checkout, dvc_changed_stages, sh
 
 pytestmark = pytest.mark.slow
 
@@ -28,11 +31,18 @@ def set_rounds(repo, n: int) -> None:
     sh("python", "workflow/sync_dvc.py", cwd=repo)
 
 
-def test_three_rounds_beat_one_by_the_grader(tmp_path):
-    repo = copy_checkout(tmp_path / "repo")
+@pytest.fixture(scope="module")
+def three_rounds(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rounds")
+    repo = copy_checkout(tmp / "repo")
     set_rounds(repo, 3)
     commit(repo, "dpo.rounds 3")
-    sh("snakemake", "--cores", "2", cwd=repo, home=tmp_path / "home")
+    sh("snakemake", "--cores", "2", cwd=repo, home=tmp / "home")
+    return repo
+
+
+def test_three_rounds_beat_one_by_the_grader(three_rounds):
+    repo = three_rounds
 
     record = json.loads((repo / "metrics/rounds.json").read_text())
     rounds = record["rounds"]
@@ -56,3 +66,27 @@ def test_three_rounds_beat_one_by_the_grader(tmp_path):
     assert "rounds_metrics" in lock
     assert dvc_changed_stages(repo) == set()
     assert "Nothing to be done" in sh("snakemake", "-n", "--cores", "2", cwd=repo)
+
+
+def test_a_kill_in_round_two_reruns_from_round_two_and_ends_with_the_same_bytes(three_rounds):
+    repo = three_rounds
+    lock, record = (repo / "dvc.lock").read_text(), (repo / "metrics/rounds.json").read_bytes()
+    round1 = (repo / "results/train_dpo/model/model.safetensors").stat().st_mtime_ns
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
+    proc = subprocess.Popen(["snakemake", "--cores", "2", "--forcerun", "round2_train_dpo"], cwd=repo, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        # round 2's trainer: the train_dpo process whose command line starts from round 1's export
+        _kill_when_running(proc, r"stages[.]train_dpo .*--init-model results/train_dpo/model ", 3.0)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0
+    done = sh("snakemake", "--cores", "2", cwd=repo)
+    ran = set(re.findall(r"(?m)^(?:local)?rule (\w+):", done))
+    assert ran and all(r.startswith(("round2_", "round3_")) or r in ("rounds_metrics", "report") for r in ran), ran
+    assert (repo / "results/train_dpo/model/model.safetensors").stat().st_mtime_ns == round1
+    assert (repo / "dvc.lock").read_text() == lock
+    assert (repo / "metrics/rounds.json").read_bytes() == record
+    assert dvc_changed_stages(repo) == set()
