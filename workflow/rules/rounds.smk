@@ -6,6 +6,7 @@
 # (workflow/integrity.py), and raising dpo.rounds adds rules without touching the earlier rounds' (no rule below
 # reads dpo.rounds). rounds_metrics writes metrics/rounds.json across every round. Paths: stages/lib/layout.py.
 
+from round_rules import later_rounds, round_policy
 from stages.lib.layout import ROUNDS_METRICS, n_rounds, round_outputs, round_rule
 
 N_ROUNDS = n_rounds(config)
@@ -24,10 +25,6 @@ if N_ROUNDS > 1 and not USES_REF_LOGPS:
            "(not supported yet)")
 
 
-def round_policy(k):
-    """The policy round k starts from and samples with: round k-1's export (round 1: train_dpo's)."""
-    return rules.train_dpo.output.model if k == 2 else getattr(rules, round_rule("train_dpo", k - 1)).output.model
-
 
 for _k in range(2, N_ROUNDS + 1):
 
@@ -37,7 +34,7 @@ for _k in range(2, N_ROUNDS + 1):
         input:
             environment=ENV_RECORD,
             identity=REF_IDENTITY,
-            policy=round_policy(_k),
+            policy=round_policy(rules, _k),
             judge=[] if ROUND_LABELER == "grader" else
             (rules.verify_judge.output.identity if "judge" in PINNED else rules.train_rm.output.model),
             train=rules.freeze_probe.output.train if ROUND_LABELER == "grader" else [],
@@ -81,7 +78,7 @@ for _k in range(2, N_ROUNDS + 1):
             probe_tokens=TOKENS.probe_tokens,
             identity=REF_IDENTITY,
             # rounds.reference previous: the previous round's policy is the reference (scored as a model dir).
-            reference=round_policy(_k) if ROUNDS.get("reference") == "previous" else [],
+            reference=round_policy(rules, _k) if ROUNDS.get("reference") == "previous" else [],
             code=code_deps("stages.ref_logps"),
         output:
             **round_outputs("ref_logps", _k),
@@ -113,7 +110,7 @@ for _k in range(2, N_ROUNDS + 1):
             train_tokens=getattr(rules, round_rule("pairs", _k)).output.pairs,
             probe_tokens=TOKENS.probe_tokens,
             identity=REF_IDENTITY,
-            init=round_policy(_k),
+            init=round_policy(rules, _k),
             ref_logps=getattr(rules, round_rule("ref_logps", _k)).output.ref_logps,
             code=code_deps("stages.train_dpo"),
         output:
@@ -203,21 +200,16 @@ for _k in range(2, N_ROUNDS + 1):
             " --summary {output.summary} --environment {input.environment} --log {log}"
 
 
-def _rounds(part, name):
-    """Round 2 .. N's output `name` of `part`, in round order."""
-    return [getattr(rules, round_rule(part, k)).output[name] for k in range(2, N_ROUNDS + 1)]
-
-
 rule rounds_metrics:
     input:
         environment=ENV_RECORD,
         probe_manifest=rules.freeze_probe.output.manifest,
         probe_token_manifest=rules.tokenize.output.probe_token_manifest,
-        probe_step0=[rules.train_dpo.output.probe_step0, *_rounds("train_dpo", "probe_step0")],
-        probe_final=[rules.train_dpo.output.probe_final, *_rounds("train_dpo", "probe_final")],
-        judgments=[rules.judge.output.judgments, *_rounds("judge", "judgments")],
-        generation=[rules.judge.output.metrics_generation, *_rounds("judge", "generation")],
-        pairs_report=_rounds("pairs", "report"),
+        probe_step0=[rules.train_dpo.output.probe_step0, *later_rounds(rules, "train_dpo", "probe_step0", N_ROUNDS)],
+        probe_final=[rules.train_dpo.output.probe_final, *later_rounds(rules, "train_dpo", "probe_final", N_ROUNDS)],
+        judgments=[rules.judge.output.judgments, *later_rounds(rules, "judge", "judgments", N_ROUNDS)],
+        generation=[rules.judge.output.metrics_generation, *later_rounds(rules, "judge", "generation", N_ROUNDS)],
+        pairs_report=later_rounds(rules, "pairs", "report", N_ROUNDS),
         code=code_deps("stages.rounds_metrics"),
     output:
         metrics_rounds=ROUNDS_METRICS,
