@@ -57,6 +57,7 @@ include: "workflow/rules/data.smk"
 include: "workflow/rules/reference.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/generation.smk"
+include: "workflow/rules/rounds.smk"
 include: "workflow/rules/evaluate.smk"
 include: "workflow/rules/slurm.smk"
 
@@ -65,7 +66,7 @@ include: "workflow/rules/slurm.smk"
 # rules may use theirs), in name order. Adding a stage is four files (docs/ARCHITECTURE.md, "How to add a stage").
 for _extra in sorted(set(Path(workflow.basedir, "workflow/rules").glob("*.smk")) - {
         Path(workflow.basedir, "workflow/rules", f"{_name}.smk") for _name in (
-            "common", "environment", "data", "reference", "train", "generation", "evaluate", "slurm")}):
+            "common", "environment", "data", "reference", "train", "generation", "rounds", "evaluate", "slurm")}):
 
     include: str(_extra)
 

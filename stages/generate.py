@@ -38,8 +38,9 @@ from stages.data.tokenizer import check_same_vocabulary, load_tokenizer, special
 from stages.engine import startup
 from stages.engine.cli import engine_stage_main, model_vocab_size, stage_environment
 from stages.engine.dist import init_distributed, shutdown_distributed
-from stages.engine.generation import (GenerationError, GenerationSettings, StopTokens, eos_token_ids, generate,
-                                      inference_dtype, is_adapter_dir, load_policy_lm, score_pairs, sequence_pairs)
+from stages.engine.generation import (GenerationError, GenerationSettings, StopTokens, generate,
+                                      inference_dtype, is_adapter_dir, load_policy_lm, score_pairs, sequence_pairs,
+                                      stop_tokens_of)
 from stages.engine.modeling import ModelLoadError, SequenceLogProbs, USED_BACKENDS
 from stages.engine.packing import load_token_pairs
 from stages.engine.settings import TrainSettings
@@ -52,10 +53,8 @@ from stages.lib.reference import load_verified_dir, pinned_model_record
 log = logging.getLogger("generate")
 
 def stop_tokens(model_dirs: list[Path], tokenizer, closing: list[int]) -> StopTokens:
-    eos = tuple(sorted({i for d in model_dirs for i in eos_token_ids(d, tokenizer)}))
     specials = {tokenizer.convert_tokens_to_ids(t) for t in special_token_strings(tokenizer)}
-    end_of_turn = closing[0] if closing and closing[0] in specials and closing[0] not in eos else None
-    return StopTokens(eos, end_of_turn)
+    return stop_tokens_of(model_dirs, tokenizer, closing, specials)
 
 
 def prompt_key(pair_id: str) -> int:

@@ -158,7 +158,8 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
                  bootstrap_summary: str | None, train_logs: dict[str, str], run_infos: dict[str, str], *,
                  normalize_stats: str, cwd: str | os.PathLike | None = None, environment: str | None = None,
                  probe_manifests: list[str] | None = None,
-                 generation_eval: list[str] | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
+                 generation_eval: list[str] | None = None,
+                 rounds_metrics: str | None = None) -> tuple[dict[str, bytes], str, dict[str, bytes]]:
     """-> (bundle members by name, summary markdown, curve PNGs by file name). generation_eval: the judge stage's
     outputs (judgments, metrics, summary), packed."""
     params = load_stage_params(params_path if cwd is None else Path(cwd) / params_path, "report")
@@ -169,7 +170,9 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
                         ("environment", [environment] if environment else []),
                         # The probe's two manifests let `verify` rerun evaluate's checks on the per-pair rows.
                         ("probe_manifest", list(probe_manifests or [])),
-                        ("generation_eval", list(generation_eval or []))):
+                        ("generation_eval", list(generation_eval or [])),
+                        # metrics/rounds.json (dpo.rounds > 1): packed, summary.md's rounds table is made from it.
+                        ("rounds", [rounds_metrics] if rounds_metrics else [])):
         for p in paths:
             rel = relative_artifact_path(p)
             if Path(rel).suffix not in PACKABLE_SUFFIXES:
@@ -219,7 +222,8 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
     boot = json.loads(_read(bootstrap_summary, cwd)) if bootstrap_summary else None
     summary = render_summary(metrics_by_label, boot, sorted(curves), params,
                              {label: read_train_log(_path(p, cwd)) for label, p in train_logs.items()},
-                             bundle_records(members, BUNDLE_ROOT), _generation(packed, cwd))
+                             bundle_records(members, BUNDLE_ROOT), _generation(packed, cwd),
+                             json.loads(_read(rounds_metrics, cwd)) if rounds_metrics else None)
     members[f"{BUNDLE_ROOT}/summary.md"] = summary.encode("utf-8")
 
     manifest = {
@@ -376,6 +380,8 @@ def _arguments(ap) -> None:
                     help="probe_manifest.json and probe_token_manifest.json: packed, so `verify` can recompute")
     ap.add_argument("--normalize-stats", required=True,
                     help="normalize_stats.json: which files each data source named; the manifest pins them by hash")
+    ap.add_argument("--rounds-metrics", help="metrics/rounds.json (dpo.rounds > 1): packed, and a rounds table in "
+                    "the summary")
     ap.add_argument("--bundle", required=True)
     ap.add_argument("--summary", required=True)
     ap.add_argument("--curves-dir", help="also write the curve PNGs here (the summary links curves/<name>.png)")
@@ -387,7 +393,7 @@ def _run(args) -> int:
         args.params, args.artifacts, args.metrics, args.per_pair, args.bootstrap_summary,
         parse_labeled(args.train_log, "--train-log"), parse_labeled(args.run_info, "--run-info"),
         environment=args.environment, probe_manifests=args.probe_manifests, normalize_stats=args.normalize_stats,
-        generation_eval=args.generation_eval)
+        generation_eval=args.generation_eval, rounds_metrics=args.rounds_metrics)
     with atomic_path(args.bundle) as tmp:
         tmp.write_bytes(deterministic_targz(members))
     write_text(args.summary, summary)

@@ -8,14 +8,21 @@
 
 The policy starts from the verified reference directory; the reference model itself is never loaded
 (its log-probs come from the ref_logps stage). dpo.objective: dpo_ref_free never reads --ref-logps.
+--init-model DIR (an iterative DPO round k >= 2, issue 36): the policy starts from DIR instead (the previous round's
+export), trained with `rounds.train`'s keys over `train`'s; the checkpoints' run identity names DIR's digest beside
+the reference's, so a resume never takes another round's state.
 Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_final.jsonl}.
 """
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
+from pathlib import Path
 
 from stages.data.limits import TokenizeError
 from stages.data.pair_tokenizer import export_template_files
+from stages.data.tokenizer import check_same_vocabulary, load_tokenizer
+from stages.engine.checkpoint import directory_digest
 from stages.engine.dpo_losses import DPOLossError, check_dpo_params, loss_hints
 from stages.engine.dpo_objective import DPOObjective
 from stages.lib.ref_logps_table import RefLogpsError, read_ref_logps, ref_logps_for
@@ -36,13 +43,24 @@ def _arguments(parser) -> None:
     parser.add_argument("--ref-logps", help="ref_logps.parquet (required for dpo.objective: dpo)")
     parser.add_argument("--out-dir", required=True)
     add_checkpoint_args(parser)
+    parser.add_argument("--init-model", help="start the policy from this export (an iterative round's previous "
+                        "policy) instead of the reference; `rounds.train` applies")
+
+
+def round_train_params(params: dict) -> dict:
+    """`train` as a round after the first trains it (`rounds.train`'s keys over `train`'s), the one section
+    TrainSettings reads."""
+    overrides = (params.get("rounds") or {}).get("train") or {}
+    return {"train": {**params["train"], **overrides}}
 
 
 def _run(args) -> dict:
     startup.CLOCK.reset()
     startup.mark("imports")                            # process start to here: interpreter, torch, the engine
-    params = load_stage_params(args.params, "train_dpo")
-    settings = TrainSettings.from_params(params)       # refuses temperature != 1 before anything is built
+    # A round after the first (--init-model) also reads `rounds.train`: its own declaration.
+    params = load_stage_params(args.params, "round_train_dpo" if args.init_model else "train_dpo")
+    # refuses temperature != 1 before anything is built
+    settings = TrainSettings.from_params(round_train_params(params) if args.init_model else params)
     dpo = params["dpo"]
     check_dpo_params(dpo)                               # refuse an impossible loss setting before anything is built
     if dpo["objective"] == "dpo" and not args.ref_logps:
@@ -57,6 +75,11 @@ def _run(args) -> dict:
         environment = stage_environment(args, settings)
         startup.mark("environment")
         model_dir = resolve_model_dir(args)
+        start_dir = model_dir
+        if args.init_model:
+            start_dir = Path(args.init_model)
+            check_same_vocabulary(load_tokenizer(model_dir), load_tokenizer(start_dir), "--init-model", start_dir,
+                                  model_dir)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
         ref = None
         if dpo["objective"] == "dpo":
@@ -66,8 +89,12 @@ def _run(args) -> dict:
         elif args.ref_logps:
             log.info("dpo_ref_free: --ref-logps %s is not read", args.ref_logps)
         startup.mark("tokens")                         # (and the reference log-probs)
-        return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
-                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
+        checkpoint = checkpoint_options(args, env)
+        if args.init_model and checkpoint.reference is not None:
+            checkpoint = replace(checkpoint, reference={**checkpoint.reference,
+                                                        "init_model": directory_digest(start_dir)})
+        return train(DPOObjective(dpo, ref), settings, env, model_dir=start_dir, train_pairs=train_pairs,
+                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint,
                      environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
     finally:
         shutdown_distributed()

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -99,3 +101,64 @@ def assert_declarations_match_reads(log_path, stages_run: set[str]) -> None:
     assert set(reads) >= stages_run - {"report"}, f"stages that never read params: {stages_run - set(reads)}"
     problems = declaration_gaps(reads, {s: STAGE_PARAMS[s] for s in reads})
     assert not problems, "\n".join(problems)
+
+
+# Killing a stage's process by PID, under one run's own process tree (test_faults.py, test_rounds_e2e.py).
+
+def _descendants(root: int) -> list[int]:
+    """The PIDs below `root` in the process tree (from /proc), oldest first: other tests' processes, which a
+    pgrep over the machine would also find (pytest-xdist runs two files at once), are never touched."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        for child in sorted(children.get(todo.pop(), [])):
+            out.append(child)
+            todo.append(child)
+    return sorted(out)
+
+
+def _newest(proc: subprocess.Popen, pattern: str) -> int | None:
+    """The newest process under `proc` whose command line matches the regular expression `pattern`."""
+    import re
+    found = None
+    for pid in _descendants(proc.pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if re.search(pattern, cmdline):
+            found = pid
+    return found
+
+
+def _wait_for(proc: subprocess.Popen, pattern: str, timeout: float = 300) -> int:
+    """The PID of the newest process under `proc` whose command line matches `pattern`, once there is one."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        pid = _newest(proc, pattern)
+        if pid is not None:
+            return pid
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended before {pattern!r} started:\n{proc.stderr.read()[-3000:]}")
+        time.sleep(0.05)
+    raise AssertionError(f"{pattern!r} never started")
+
+
+def _kill_when_running(proc: subprocess.Popen, pattern: str, after: float) -> None:
+    """kill -9, `after` seconds after it appears, the newest process matching `pattern` (under torchrun: the
+    stage's worker, started after its launcher)."""
+    pid = _wait_for(proc, pattern)
+    time.sleep(after)
+    try:
+        os.kill(_newest(proc, pattern) or pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

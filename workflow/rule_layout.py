@@ -16,8 +16,8 @@ from __future__ import annotations
 from functools import lru_cache
 from pathlib import Path
 
-from stages.lib.layout import STAGE_OUTPUTS, STAGE_PARAMS
-from stages.lib.stage_plan import bundle_artifacts
+from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS, STAGE_PARAMS
+from stages.lib.stage_plan import bundle_artifacts, n_rounds, round_outputs, round_rule, rule_declaration
 from stages.lib.params import SCHEMA_PATH, load_schema
 
 SCHEMA = str(SCHEMA_PATH.relative_to(Path(__file__).resolve().parents[1]))
@@ -79,19 +79,26 @@ def schema_input(stage: str) -> list[str]:
 
 
 def check_rules_follow_layout(rules, config: dict) -> None:
-    for stage, outputs in STAGE_OUTPUTS.items():
-        rule = getattr(rules, stage)
+    expected = dict(STAGE_OUTPUTS)
+    expected |= {round_rule(part, k): round_outputs(part, k) for k in range(2, n_rounds(config) + 1)
+                 for part in ROUND_OUTPUTS}
+    if n_rounds(config) > 1:
+        expected["rounds_metrics"] = {"metrics_rounds": ROUNDS_METRICS}
+    for name, outputs in expected.items():
+        rule = getattr(rules, name)
+        stage = rule_declaration(name)
         declared = {str(f) for f in rule.output}
         if declared != set(outputs.values()):
-            raise ValueError(f"rule {stage}: outputs {sorted(declared)} are not stages/lib/layout.py's "
+            raise ValueError(f"rule {name}: outputs {sorted(declared)} are not stages/lib/layout.py's "
                              f"{sorted(outputs.values())}")
-        listed = {name for name in rule.params.keys() if not name.startswith(("cli_", "env_"))}
+        listed = {p for p in rule.params.keys() if not p.startswith(("cli_", "env_"))}
         wanted = set(rule_params(config, stage))
         if listed != wanted:
-            raise ValueError(f"rule {stage}: params {sorted(listed)} are not its declaration's {sorted(wanted)} "
-                             f"(stages/lib/layout.py STAGE_PARAMS; rules take `**rule_params(config, {stage!r})`)")
+            raise ValueError(f"rule {name}: params {sorted(listed)} are not its declaration's {sorted(wanted)} "
+                             f"(stages/lib/layout.py STAGE_PARAMS[{stage!r}]; rules take "
+                             f"`**rule_params(config, {stage!r})`)")
         if reads_schema_defaults(stage) and SCHEMA not in {str(f) for f in rule.input}:
-            raise ValueError(f"rule {stage}: reads a key the schema may default; {SCHEMA} must be an input "
+            raise ValueError(f"rule {name}: reads a key the schema may default; {SCHEMA} must be an input "
                              f"(`schema=schema_input({stage!r})`)")
     missing = set(bundle_artifacts(config)) - {str(f) for f in rules.report.input}
     if missing:

@@ -522,6 +522,15 @@ def load_judge(model_dir, reference_dir, device: torch.device, dtype: torch.dtyp
     return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
 
 
+def stop_tokens_of(model_dirs: list, tokenizer, closing: list[int], special_ids: set[int]) -> StopTokens:
+    """Where completions of these models stop: every EOS id any of them names, and the rendering's end-of-turn token
+    (closing[0], the first token an assistant turn closes with) when it is a special token (special_ids: the
+    tokenizer's, stages.data.tokenizer special_token_strings) other than an EOS. generate and round_pairs share it."""
+    eos = tuple(sorted({i for d in model_dirs for i in eos_token_ids(d, tokenizer)}))
+    end_of_turn = closing[0] if closing and closing[0] in special_ids and closing[0] not in eos else None
+    return StopTokens(eos, end_of_turn)
+
+
 def eos_token_ids(model_dir, tokenizer) -> tuple[int, ...]:
     """Every EOS id the tokenizer, config.json and generation_config.json name (instruct models list several)."""
     ids: set[int] = set()

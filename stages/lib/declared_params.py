@@ -88,8 +88,13 @@ class ParamsView(dict):
             decl.note(path)
             return dict.get(self, key, _ABSENT)
         value = dict.get(self, key, _ABSENT)
-        if decl.leads_to(path) and isinstance(value, dict):
-            return ParamsView(value, path, decl)
+        if decl.leads_to(path):
+            if isinstance(value, dict):
+                return ParamsView(value, path, decl)
+            # Absent or not a mapping (a null section): no key under it exists to hide, and whether it is set is
+            # what a declared key under it says.
+            decl.note(path)
+            return value
         raise decl.refuse(path, how)
 
     def __getitem__(self, key):

@@ -293,13 +293,14 @@ def _f(x: float) -> str:
 
 def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: list[str], params: dict,
                    train_logs: dict[str, dict[str, list[float]]] | None = None, records: dict | None = None,
-                   generation: dict | None = None) -> str:
+                   generation: dict | None = None, rounds: dict | None = None) -> str:
     """summary.md: the metrics table, the implicit reward scored, the plan's warnings (from each run's train log
     columns by label, read_train_log), the generation section (the packed judge outputs:
     stages/lib/evidence_generation.py generation_members, or None), then what ran (`records`:
     stages.lib.evidence_records.bundle_records of the bundle's members: sources, tokenize, reference, training,
     per-source accuracy for mixtures), then the curves."""
     from stages.lib.evidence_generation import render_generation_section
+    from stages.lib.rounds import render_rounds_section
     from stages.lib.evidence_records import summary_sections
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]
@@ -332,6 +333,7 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
     if warnings:
         lines += ["## Warnings", "", *warnings, ""]
     lines += render_generation_section(generation, params)
+    lines += render_rounds_section(rounds)          # metrics/rounds.json, packed (dpo.rounds > 1)
     if records is not None:
         lines += summary_sections(records, params)
     if curves:

@@ -483,7 +483,7 @@ def _check_derived(v: Verdicts, b: _Bundle) -> None:
                 for spec in curves.values() if isinstance(spec, dict) and b.packed(spec.get("train_log")) is not None}
         want = render_summary(metrics, b.packed_json(b.evaluation.get("probe", {}).get("bootstrap_summary")),
                               sorted(curves), b.params, logs, bundle_records(b.members, BUNDLE_ROOT),
-                              _bundle_generation(b)).encode("utf-8")
+                              _bundle_generation(b), _bundle_rounds(b)).encode("utf-8")
         have = b.members.get(SUMMARY, b"")
         v.add(have == want, SUMMARY, "remade from the packed metrics, bootstrap summary, train logs, run records, "
               "per-pair rows and params" if have == want else f"not what report writes from the bundle's metrics, "
@@ -551,6 +551,12 @@ def _check_records(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         return
     v.add(want == records.get("probe_sources"), f"{PROBE_SOURCES} (workspace)",
           f"remade from {rel}" if want == records.get("probe_sources") else f"not the sources of {rel}'s pairs")
+
+
+def _bundle_rounds(b: _Bundle) -> dict | None:
+    """The packed metrics/rounds.json (role `rounds`; a run of dpo.rounds > 1), or None."""
+    paths = [e["path"] for e in b.artifacts.values() if e.get("role") == "rounds" and e.get("packed")]
+    return b.packed_json(paths[0]) if paths else None
 
 
 def _bundle_generation(b: _Bundle) -> dict | None:

@@ -68,6 +68,8 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
 ENGINE_INFERENCE_KEYS = tuple(f"train.{k}" for k in (
     "gpus", "cpu_threads", "portable_numerics", "parallel", "precision", "optimizer", "inference_micro_batch_tokens",
     "logp_chunk_tokens", "temperature", "compile", "share_prompt", "cuda_graphs"))
+DPO_TRAIN_KEYS = tuple(f"dpo.{k}" for k in ("objective", "loss", "loss_weights", "discopop_tau", "simpo_gamma", "beta",
+                                             "label_smoothing"))
 STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "environment": ("train.gpus", "train.cpu_threads", "train.portable_numerics"),
     "normalize": ("data",),
@@ -76,7 +78,8 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     "tokenize": ("tokenize",),
     "sft": ("sft", "train", "tokenize"),
     "ref_logps": ENGINE_INFERENCE_KEYS,
-    "train_dpo": ("train", "dpo"),
+    # dpo's keys but `rounds` (how many rounds run decides nothing of round 1's training).
+    "train_dpo": ("train", *DPO_TRAIN_KEYS),
     "train_rm": ("train", "rm"),
     "evaluate": ("evaluate", "probe.size", "dpo.beta", "dpo.objective"),
     "verify_policy": ("generation.policy",),
@@ -87,4 +90,31 @@ STAGE_PARAMS: dict[str, tuple[str, ...]] = {
     # generation.temperature: greedy completions (0) get a log-ratio, not a KL estimate, in metrics/generation.json.
     "judge": ("generation.judge", "generation.grader", "generation.temperature", "evaluate", *ENGINE_INFERENCE_KEYS),
     "report": ("*",),
+    # The rounds' own stages (round{k}_ref_logps, _generate and _judge read as ref_logps, generate and judge do).
+    "round_pairs": ("rounds.n", "rounds.temperature", "rounds.top_p", "rounds.prompts", "rounds.min_margin",
+                    "rounds.judge", "rounds.seed", "generation.max_new_tokens", "generation.batch_size",
+                    "generation.grader", "generation.judge", "tokenize.max_length", *ENGINE_INFERENCE_KEYS),
+    "round_train_dpo": ("train", *DPO_TRAIN_KEYS, "rounds.train"),
+    "rounds_metrics": ("evaluate", "probe.size", "dpo.beta", "dpo.objective", "generation.grader"),
 }
+
+# Iterative DPO (issue 36): round k >= 2's stages, one set of rules per round (workflow/rules/rounds.smk generates
+# round{k}_<part> rules for k = 2 .. dpo.rounds, each a DVC stage of that name); "{k}" is the round. Round 1 is the
+# offline DPO above (train_dpo, generate, judge).
+ROUND_OUTPUTS: dict[str, dict[str, str]] = {
+    "pairs": {"pairs": "results/rounds/{k}/pairs/train_tokens.parquet",
+              "rejections": "results/rounds/{k}/pairs/rejections.parquet",
+              "report": "results/rounds/{k}/pairs/pairs_report.json"},
+    "ref_logps": {"ref_logps": "results/rounds/{k}/ref_logps/ref_logps.parquet"},
+    "train_dpo": {"model": "results/rounds/{k}/train_dpo/model",
+                  "train_log": "results/rounds/{k}/train_dpo/train_log.csv",
+                  "run_info": "results/rounds/{k}/train_dpo/run_info.json",
+                  "probe_step0": "results/rounds/{k}/train_dpo/probe_step0.jsonl",
+                  "probe_final": "results/rounds/{k}/train_dpo/probe_final.jsonl"},
+    "generate": {"generations": "results/rounds/{k}/generate/generations.parquet",
+                 "info": "results/rounds/{k}/generate/generation_info.json"},
+    "judge": {"judgments": "results/rounds/{k}/judge/judgments.jsonl",
+              "generation": "results/rounds/{k}/judge/generation.json",
+              "summary": "results/rounds/{k}/judge/judge_summary.json"},
+}
+ROUNDS_METRICS = "metrics/rounds.json"

@@ -2,7 +2,7 @@
 declarations (the rules, `report verify` and the report read it)."""
 from __future__ import annotations
 
-from stages.lib.layout import STAGE_OUTPUTS
+from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS
 
 # The trained models by the label the report and evaluate give them (metrics/<label>.json, the bundle's
 # curves/<label>_train_curves.png, `evaluation.<label>` of its manifest) -> the stage that trains it.
@@ -49,5 +49,36 @@ def stages(params: dict) -> list[str]:
 def bundle_artifacts(params: dict) -> dict[str, str]:
     """{path: stage} of every artifact an evidence bundle's manifest hashes: the outputs of every stage
     before report (report's own outputs are the bundle)."""
-    return {path: stage for stage in stages(params) if stage != "report"
-            for path in STAGE_OUTPUTS[stage].values()}
+    out = {path: stage for stage in stages(params) if stage != "report"
+           for path in STAGE_OUTPUTS[stage].values()}
+    if n_rounds(params) > 1:       # the rounds' record, packed (summary.md's rounds table); their models stay outside
+        out[ROUNDS_METRICS] = "rounds_metrics"
+    return out
+
+
+def n_rounds(params: dict) -> int:
+    """dpo.rounds (absent = 1: offline DPO only)."""
+    return int(params["dpo"].get("rounds", 1))
+
+
+def round_outputs(part: str, k: int) -> dict[str, str]:
+    """Round k's (>= 2) outputs of one part (ROUND_OUTPUTS' keys)."""
+    if k < 2:
+        raise ValueError(f"round {k}: round 1 is the offline DPO's stages (train_dpo, generate, judge)")
+    return {name: path.format(k=k) for name, path in ROUND_OUTPUTS[part].items()}
+
+
+def round_rule(part: str, k: int) -> str:
+    return f"round{k}_{part}"
+
+
+# round{k}_<part> rules read params as these stages do (stages/lib/layout.py STAGE_PARAMS).
+ROUND_DECLARATION = {"pairs": "round_pairs", "ref_logps": "ref_logps", "train_dpo": "round_train_dpo",
+                     "generate": "generate", "judge": "judge"}
+
+
+def rule_declaration(rule: str) -> str:
+    """The STAGE_PARAMS entry a rule's params come from: its own name, or its part's for round{k}_<part>."""
+    import re
+    m = re.fullmatch(r"round\d+_(\w+)", rule)
+    return ROUND_DECLARATION[m.group(1)] if m else rule

@@ -56,6 +56,8 @@ rule report:
         bootstrap=rules.evaluate.output.bootstrap,
         # The judged completions and their metrics: packed, so `verify` reruns the win-rate bootstrap from the rows.
         generation_eval=list(rules.judge.output),
+        # dpo.rounds > 1: metrics/rounds.json, packed, and summary.md's rounds table (rounds.smk).
+        rounds_metrics=[rules.rounds_metrics.output.metrics_rounds] if N_ROUNDS > 1 else [],
         dpo_log=DPO_OUT.plots_train_log,
         rm_log=RM_OUT.plots_train_log,
         dpo_run_info=DPO_OUT.run_info,
@@ -75,6 +77,7 @@ rule report:
     params:
         # The bundle carries params.yaml itself, so every section is a dependency.
         **rule_params(config, "report"),
+        cli_rounds=lambda w, input: f"--rounds-metrics {input.rounds_metrics}" if N_ROUNDS > 1 else "",
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -88,5 +91,5 @@ rule report:
         " --train-log dpo={input.dpo_log} rm={input.rm_log}"
         " --run-info dpo={input.dpo_run_info} rm={input.rm_run_info}"
         " --environment {input.environment} --probe-manifests {input.probe_manifests}"
-        " --normalize-stats {input.normalize_stats}"
+        " --normalize-stats {input.normalize_stats} {params.cli_rounds}"
         " --bundle {output.bundle} --summary {output.summary} --curves-dir {output.curves} --log {log}"
