@@ -68,7 +68,8 @@ def _run(args) -> dict:
         startup.mark("tokens")                         # (and the reference log-probs)
         return train(DPOObjective(dpo, ref), settings, env, model_dir=model_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
-                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
+                     environment=environment, perf_path=args.perf,
+                     export_files=export_template_files(model_dir, params.get("tokenize")))
     finally:
         shutdown_distributed()
 

@@ -30,3 +30,12 @@ FINAL_TARGETS = [
 ENV_RECORD = OUT["environment"]["record"]
 LOCK = "requirements/lock.txt"
 
+# tokenize.chat_template (stages/data/chat_templates.py): every stage that renders a conversation (freeze_probe's fit,
+# tokenize, sft, the exports of train_dpo / train_rm, generate and judge's turn closing) reads the setting and, when it
+# is a Jinja file, the file. Absent from params.yaml: the default, and no param to track.
+from stages.data.chat_templates import template_input
+
+CHAT_TEMPLATE_FILE = template_input(config["tokenize"])
+CHAT_TEMPLATE_PARAM = ({"tokenize__chat_template": config["tokenize"]["chat_template"]}
+                       if "chat_template" in config["tokenize"] else {})
+

@@ -38,6 +38,7 @@ rule freeze_probe:
         environment=ENV_RECORD,
         pairs=rules.normalize.output.pairs,
         identity=OUT["verify_ref"]["identity"],
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.freeze_probe"),
     output:
         train=OUT["freeze_probe"]["train"],
@@ -48,6 +49,7 @@ rule freeze_probe:
         tokenize__max_length=config["tokenize"]["max_length"],
         tokenize__max_prompt_length=config["tokenize"]["max_prompt_length"],
         tokenize__truncation=config["tokenize"]["truncation"],
+        **CHAT_TEMPLATE_PARAM,
     conda:
         "../envs/pipeline.yaml"
     log:

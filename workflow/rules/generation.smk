@@ -62,6 +62,7 @@ rule generate:
         policy=rules.verify_policy.output.identity if "policy" in PINNED else rules.train_dpo.output.model,
         probe=rules.freeze_probe.output.probe,
         probe_tokens=rules.tokenize.output.probe_tokens,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.generate"),
     output:
         generations=OUT["generate"]["generations"],
@@ -70,6 +71,7 @@ rule generate:
         # Every generation knob but the judge: a new judge must not generate again.
         **{f"generation__{k}": v for k, v in GEN.items() if k not in ("judge", "grader")},
         **ENGINE_PARAMS,
+        **CHAT_TEMPLATE_PARAM,
         cli_policy=lambda w, input: ("--policy-identity " if "policy" in PINNED else "--policy-model ") + input.policy,
     resources:
         **GEN_RESOURCES,
@@ -94,6 +96,7 @@ rule judge:
         identity=REF_IDENTITY,
         judge=rules.verify_judge.output.identity if "judge" in PINNED else rules.train_rm.output.model,
         generations=rules.generate.output.generations,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.judge"),
     output:
         judgments=OUT["judge"]["judgments"],
@@ -104,6 +107,7 @@ rule judge:
         generation__grader=GEN.get("grader"),
         evaluate=config["evaluate"],
         **ENGINE_PARAMS,
+        **CHAT_TEMPLATE_PARAM,
         cli_judge=lambda w, input: ("--judge-identity " if "judge" in PINNED else "--judge-model ") + input.judge,
     resources:
         **GEN_RESOURCES,

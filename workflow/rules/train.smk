@@ -43,6 +43,7 @@ rule sft:
         sources=[data_location(f) for _, files in resolve_sft_source_files(SFT_SOURCES) for f in files]
         if SFT_SOURCES
         else [],
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.sft"),
     output:
         model=directory(OUT["sft"]["model"]),
@@ -122,6 +123,7 @@ rule train_dpo:
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_dpo"),
     output:
         model=directory(OUT["train_dpo"]["model"]),
@@ -133,6 +135,7 @@ rule train_dpo:
         cli_launch=LAUNCH,
         train=config["train"],
         dpo=config["dpo"],
+        **CHAT_TEMPLATE_PARAM,
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
         cli_ref_logps=lambda w, input: f"--ref-logps {input.ref_logps}" if USES_REF_LOGPS else "",
     resources:
@@ -158,6 +161,7 @@ rule train_rm:
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_rm"),
     output:
         model=directory(OUT["train_rm"]["model"]),
@@ -169,6 +173,7 @@ rule train_rm:
         cli_launch=LAUNCH,
         train=config["train"],
         rm=config["rm"],
+        **CHAT_TEMPLATE_PARAM,
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
     resources:
         **TRAIN_RESOURCES,
