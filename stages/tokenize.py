@@ -333,7 +333,7 @@ def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: s
     check_probe_matches_manifest(probe, manifest, probe_path, manifest_path)
 
     tok_identity = tokenizer_identity(tokenizer_dir)
-    pair_tokenizer = pair_tokenizer_for(load_tokenizer(tokenizer_dir), tok_params, display_path(tokenizer_dir))
+    pair_tokenizer = pair_tokenizer_for(load_tokenizer(tokenizer_dir), tok_params)
     chat_template = pair_tokenizer.chat_template
     log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
              pair_tokenizer.rendering)

@@ -69,7 +69,7 @@ class ChatTemplate:
         return {"setting": self.setting, "used": self.name, "sha256": self.sha256}
 
 
-def resolve_chat_template(setting: str | None, tokenizer, tokenizer_dir=None) -> ChatTemplate:
+def resolve_chat_template(setting: str | None, tokenizer) -> ChatTemplate:
     """The rendering `setting` means for `tokenizer`; a bad setting is a TokenizeError naming the key and why."""
     from stages.data.tokenizer import chat_template_text
 
@@ -78,9 +78,10 @@ def resolve_chat_template(setting: str | None, tokenizer, tokenizer_dir=None) ->
         own = chat_template_text(tokenizer)
         if own is not None:
             return ChatTemplate(setting, DEFAULT, own)
-        where = f" at {tokenizer_dir}" if tokenizer_dir is not None else ""
+        # The tokenizer by its identity (tokenize_report.json's tokenizer_identity), not its path: the report is
+        # hashed and must not depend on where the reference sits.
         return ChatTemplate(setting, "plain", None, warning=(
-            f"tokenize.chat_template is `tokenizer` but the tokenizer{where} has no chat template: the pairs are "
+            "tokenize.chat_template is `tokenizer` but the tokenizer has no chat template: the pairs are "
             "rendered with the plain role tags (\"User: ...\\n\\nAssistant: ...\"), which a chat model was not "
             "trained on; set tokenize.chat_template to `plain` to choose that, `chatml`, or a Jinja file"))
     if setting in BUILTINS:

@@ -209,11 +209,10 @@ def turn_closing(pair_tokenizer: PairTokenizer) -> list[int]:
     return [int(i) for i, (start, _) in zip(enc.ids, enc.offsets) if start >= end]
 
 
-def pair_tokenizer_for(tokenizer, tok_params: dict | None, tokenizer_dir=None, **kwargs) -> PairTokenizer:
+def pair_tokenizer_for(tokenizer, tok_params: dict | None, **kwargs) -> PairTokenizer:
     """The pair tokenizer of params.yaml's `tokenize` section (its chat_template setting) for `tokenizer`: what every
     stage that renders a conversation builds, so they all render alike."""
-    return PairTokenizer(tokenizer, chat_template=resolve_chat_template(setting_of(tok_params), tokenizer,
-                                                                        tokenizer_dir), **kwargs)
+    return PairTokenizer(tokenizer, chat_template=resolve_chat_template(setting_of(tok_params), tokenizer), **kwargs)
 
 
 def exported_chat_template(tokenizer, tok_params: dict | None = None) -> str:
