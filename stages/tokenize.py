@@ -37,7 +37,7 @@ import numpy as np
 import pyarrow as pa
 
 from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits, load_limits
-from stages.data.chat_templates import ChatTemplate
+from stages.data.chat_templates import DEFAULT, ChatTemplate
 from stages.data.pair_tokenizer import pair_tokenizer_for
 from stages.data.pool import fork_pool, ordered_results, plan_pool, resolve_workers, worker_state
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers_only_process
@@ -97,13 +97,20 @@ def check_probe_complete(rejections: list[dict], pairs_in: int, limits: Tokenize
             f"limits (or re-freeze a probe from data that fits):\n  {listed}")
 
 
-def check_probe_fit(manifest: dict, manifest_path: str, tok_identity: str, limits: TokenizeLimits) -> None:
-    """The probe was drawn to fit this tokenizer under these limits (its manifest's `fit`), or it may not fit."""
+def check_probe_fit(manifest: dict, manifest_path: str, tok_identity: str, limits: TokenizeLimits,
+                    chat_template: ChatTemplate | None = None) -> None:
+    """The probe was drawn to fit this tokenizer under these limits and this rendering (its manifest's `fit`; the
+    rendering recorded only when tokenize.chat_template is not the default), or it may not fit."""
     fit = manifest.get("fit")
     if fit is not None and (fit["tokenizer_identity"], fit["limits"]) != (tok_identity, limits.as_dict()):
         raise TokenizeError(f"{manifest_path}: the probe was frozen to fit tokenizer {fit['tokenizer_identity']} "
                             f"under {canonical_json(fit['limits'])}, but tokenize runs tokenizer {tok_identity} under "
                             f"{canonical_json(limits.as_dict())}; rerun freeze_probe with these settings")
+    want = chat_template.record() if chat_template is not None and chat_template.setting != DEFAULT else None
+    if fit is not None and fit.get("chat_template") != want:
+        raise TokenizeError(f"{manifest_path}: the probe was frozen to fit the rendering "
+                            f"{canonical_json(fit.get('chat_template') or DEFAULT)}, but tokenize renders with "
+                            f"{canonical_json(want or DEFAULT)}; rerun freeze_probe with these settings")
 
 
 class _TrainIntegrity:
@@ -342,7 +349,7 @@ def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: s
                  chat_template.setting, chat_template.sha256)
     if chat_template.warning:
         log.warning("%s", chat_template.warning)
-    check_probe_fit(manifest, manifest_path, tok_identity, limits)
+    check_probe_fit(manifest, manifest_path, tok_identity, limits, chat_template)
     train_file = open_parquet(train_path)
     plan = plan_pool(train_file.metadata.num_rows, len(probe), resolve_workers(workers), chunk_pairs)
     integrity = _TrainIntegrity(train_path, {p["pair_id"] for p in probe})

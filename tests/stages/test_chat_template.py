@@ -178,3 +178,56 @@ def test_the_export_carries_the_template_tokenize_used(setting, gpt2_tokenizer_d
                                               return_dict=False) == list(row[f"{branch}_ids"])
         assert hf_tok.apply_chat_template(p["prompt"], add_generation_prompt=True, tokenize=True,
                                           return_dict=False) == list(row["chosen_ids"][:row["chosen_prompt_len"]])
+
+
+def test_a_probe_frozen_under_another_template_is_refused_by_tokenize(tmp_path):
+    """freeze_probe draws the probe from pairs that fit under the rendering; tokenize holds a probe frozen under
+    another tokenize.chat_template to it (the manifest's fit records a setting other than the default; the
+    default's manifest has no such key, as before)."""
+    from data_helpers import embedded_identity, leaky_rows, pairs_table, write_probe_params
+    from stages.lib.io import write_parquet
+
+    identity = embedded_identity(tmp_path)
+    pairs = tmp_path / "pairs.parquet"
+    write_parquet(pairs, pairs_table(leaky_rows()))
+
+    def stage(module: str, setting: str | None, out: Path, *args: str) -> subprocess.CompletedProcess:
+        params = write_probe_params(tmp_path, size=10, seed=3)
+        doc = yaml.safe_load(params.read_text())
+        if setting is None:
+            doc["tokenize"].pop("chat_template")
+        else:
+            doc["tokenize"]["chat_template"] = setting
+        params.write_text(yaml.safe_dump(doc))
+        out.mkdir(parents=True, exist_ok=True)
+        return subprocess.run([sys.executable, "-m", module, "--params", str(params), "--identity", str(identity),
+                               *args, "--log", str(out / f"{module}.log")], cwd=REPO_ROOT, capture_output=True,
+                              text=True)
+
+    def freeze(setting, out: Path) -> None:
+        r = stage("stages.freeze_probe", setting, out, "--pairs", str(pairs), "--train", str(out / "train.parquet"),
+                  "--probe", str(out / "probe.parquet"), "--manifest", str(out / "probe_manifest.json"))
+        assert r.returncode == 0, r.stderr[-3000:]
+
+    def tokenize(setting, frozen: Path, out: Path) -> subprocess.CompletedProcess:
+        return stage("stages.tokenize", setting, out, "--train", str(frozen / "train.parquet"),
+                     "--probe", str(frozen / "probe.parquet"), "--probe-manifest", str(frozen / "probe_manifest.json"),
+                     "--train-tokens", str(out / "t.parquet"), "--probe-tokens", str(out / "p.parquet"),
+                     "--probe-token-manifest", str(out / "m.json"), "--report", str(out / "r.json"),
+                     "--rejections", str(out / "j.parquet"))
+
+    freeze("tokenizer", tmp_path / "default")
+    freeze(None, tmp_path / "absent")
+    assert "chat_template" not in read_json(tmp_path / "default/probe_manifest.json")["fit"]
+    assert (tmp_path / "default/probe_manifest.json").read_bytes() == \
+        (tmp_path / "absent/probe_manifest.json").read_bytes()
+    freeze("plain", tmp_path / "plain")
+    assert read_json(tmp_path / "plain/probe_manifest.json")["fit"]["chat_template"] == \
+        {"setting": "plain", "used": "plain", "sha256": None}
+
+    r = tokenize("tokenizer", tmp_path / "plain", tmp_path / "tok_mismatch")
+    assert r.returncode == 1
+    assert ("the probe was frozen to fit the rendering {\"setting\":\"plain\",\"sha256\":null,\"used\":\"plain\"}, "
+            "but tokenize renders with \"tokenizer\"; rerun freeze_probe with these settings") in r.stderr, r.stderr
+    assert tokenize("plain", tmp_path / "plain", tmp_path / "tok_plain").returncode == 0
+    assert tokenize("tokenizer", tmp_path / "default", tmp_path / "tok_default").returncode == 0
