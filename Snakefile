@@ -84,7 +84,7 @@ rule all:
 
 onsuccess:
     # Record in dvc.lock what this run built, and only that, so `dvc status` agrees with it (sync_dvc.py refuses to
-    # record an output of another stage that changed on disk, printing why). Not for `dvc repro`'s own calls (DVC
+    # record an output of another stage of the DAG that changed on disk, printing why; one outside it is reported). Not for `dvc repro`'s own calls (DVC
     # records those) nor for --touch (nothing was built). A run must never end with a declared output missing.
     # DVC's lock is shared with the commit's process (never free between the run and its record: a `dvc repro`
     # started in that gap ran beside this run), and given back after it.
@@ -95,8 +95,12 @@ onsuccess:
             refuse(f"integrity: declared outputs missing after the run: {', '.join(_missing)}")
         if not workflow.touch:
             _ran = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"})
+            # The DAG's stages: a stage outside it (a targeted run such as `snakemake --cores 2 judge`) is reported
+            # by the record when its outputs no longer match, never a reason to fail the run that did its work.
+            _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
             _handed = RUN_GUARD.handed_lock()
-            _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran],
+            _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran,
+                                    "--dag", *_dag],
                                    pass_fds=(_handed[0],) if _handed else (), env=_handed[1] if _handed else None)
             RUN_GUARD.release()
             if _done.returncode != 0:

@@ -37,7 +37,8 @@ from typing import Callable, Iterable, Sequence
 import pyarrow as pa
 
 from stages.data.limits import TokenizeError, load_limits
-from stages.data.pair_tokenizer import PairTokenizer
+from stages.data.chat_templates import DEFAULT, setting_of
+from stages.data.pair_tokenizer import pair_tokenizer_for
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers_only_process
 from stages.data.truncation import tokenize_pairs
 from stages.lib.cli import stage_main
@@ -64,24 +65,35 @@ class ProbeFit:
     scored whole, so a pair it would reject cannot be a probe pair). `reasons(pairs)`: None for a pair that fits,
     else tokenize's rejection reason."""
 
-    def __init__(self, tokenizer, limits, tokenizer_identity: str):
+    def __init__(self, tokenizer, limits, tokenizer_identity: str, tok_params: dict | None = None):
         """`tokenizer`: a loaded tokenizer, or a directory to load it from when it is first needed (after the pairs
-        are checked: bad pairs are refused without loading one)."""
+        are checked: bad pairs are refused without loading one). `tok_params`: params.yaml's tokenize section, for
+        its chat_template (the rendering decides the lengths; None: the default)."""
         self.tokenizer, self.limits, self.tokenizer_identity = tokenizer, limits, tokenizer_identity
+        self.tok_params = tok_params
         self._pair_tokenizer = None
 
-    def reasons(self, pairs: list[dict]) -> list[str | None]:
+    def pair_tokenizer(self):
         if self._pair_tokenizer is None:
             tok = self.tokenizer
-            self._pair_tokenizer = PairTokenizer(load_tokenizer(tok) if isinstance(tok, (str, Path)) else tok)
+            self._pair_tokenizer = pair_tokenizer_for(load_tokenizer(tok) if isinstance(tok, (str, Path)) else tok,
+                                                      self.tok_params)
+        return self._pair_tokenizer
+
+    def reasons(self, pairs: list[dict]) -> list[str | None]:
         rejected = {r["pair_id"]: r["reason"] for r in
-                    tokenize_pairs(self._pair_tokenizer, pairs, self.limits, "probe").rejections}
+                    tokenize_pairs(self.pair_tokenizer(), pairs, self.limits, "probe").rejections}
         return [rejected.get(p["pair_id"]) for p in pairs]
 
     def record(self, skipped: Counter) -> dict:
         """The manifest's `fit`: what fitting meant and the pairs the walk passed over for not fitting."""
-        return {"tokenizer_identity": self.tokenizer_identity, "limits": self.limits.as_dict(),
-                "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items()))}
+        record = {"tokenizer_identity": self.tokenizer_identity, "limits": self.limits.as_dict(),
+                  "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items()))}
+        # The rendering decides the lengths: tokenize holds a probe frozen under another template to it. Recorded only
+        # when tokenize.chat_template is set to other than the default, so the default's manifest stays as it was.
+        if setting_of(self.tok_params) != DEFAULT:
+            record["chat_template"] = self.pair_tokenizer().chat_template.record()
+        return record
 
 
 @dataclass(frozen=True)
@@ -357,7 +369,7 @@ def load_fit(identity_path: str, tok_params: dict) -> ProbeFit:
     """The fit of tokenize's own settings: the verified reference's tokenizer, params.yaml's `tokenize` limits
     (checked against the reference's positions)."""
     ref_dir = load_verified_dir(identity_path)
-    return ProbeFit(ref_dir, load_limits(tok_params, ref_dir), tokenizer_identity(ref_dir))
+    return ProbeFit(ref_dir, load_limits(tok_params, ref_dir), tokenizer_identity(ref_dir), tok_params)
 
 
 def _arguments(ap) -> None:

@@ -33,7 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from stages.data.limits import TokenizeError
-from stages.data.pair_tokenizer import PairTokenizer, turn_closing
+from stages.data.pair_tokenizer import pair_tokenizer_for, turn_closing
 from stages.data.tokenizer import check_same_vocabulary, load_tokenizer, special_token_strings, vocabulary_digest
 from stages.engine import startup
 from stages.engine.cli import engine_stage_main, model_vocab_size, stage_environment
@@ -97,7 +97,7 @@ def _run(args) -> None:
         probe = load_token_pairs(args.probe_tokens, model_vocab_size(ref_dir))
         messages = _prompt_messages(args.probe, probe.pair_ids)
         prompts = [probe.seq_ids[2 * i][:int(probe.seq_prompt_lens[2 * i])] for i in range(len(probe))]
-        closing = turn_closing(PairTokenizer(tokenizer))
+        closing = turn_closing(pair_tokenizer_for(tokenizer, params.get("tokenize")))
         stop = stop_tokens([ref_dir, policy_dir], tokenizer, closing)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop.eos[0]
         keys = [prompt_key(p) for p in probe.pair_ids]

@@ -57,7 +57,7 @@ from pathlib import Path
 import numpy as np
 
 from stages.data.limits import TokenizeError
-from stages.data.pair_tokenizer import PairTokenizer, turn_closing
+from stages.data.pair_tokenizer import pair_tokenizer_for, turn_closing
 from stages.data.tokenizer import check_same_vocabulary, load_tokenizer
 from stages.engine.cli import engine_stage_main, stage_environment
 from stages.engine.dist import init_distributed, shutdown_distributed
@@ -135,7 +135,7 @@ def _run(args) -> None:
         tokenizer = load_tokenizer(ref_dir)
         check_same_vocabulary(tokenizer, load_tokenizer(judge_dir), "judge", judge_dir, ref_dir)
         rows = generation_rows(read_parquet(args.generations), args.generations)
-        closing = turn_closing(PairTokenizer(tokenizer))
+        closing = turn_closing(pair_tokenizer_for(tokenizer, params.get("tokenize")))
         seqs, prompt_lens = judged_sequences(rows, closing)
         judge = load_judge(judge_dir, ref_dir, env.device, inference_dtype(env.device))
         pairs = sequence_pairs("judged completions", seqs[0::2], seqs[1::2], prompt_lens[0::2],

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from stages.data.limits import TokenizeError
-from stages.data.pair_tokenizer import PairTokenizer, turn_closing
+from stages.data.pair_tokenizer import pair_tokenizer_for, turn_closing
 from stages.data.tokenizer import check_same_vocabulary, load_tokenizer, special_token_strings
 from stages.engine import startup
 from stages.engine.cli import engine_stage_main, model_vocab_size, stage_environment
@@ -145,7 +145,7 @@ def _run(args) -> None:
             if not args.train:
                 raise RoundPairsError("rounds.judge is grader: --train (the prompts' messages) is required")
             messages = prompt_messages(train, read_parquet(args.train), args.train)
-        closing = turn_closing(PairTokenizer(tokenizer))
+        closing = turn_closing(pair_tokenizer_for(tokenizer, params.get("tokenize")))
         specials = {tokenizer.convert_tokens_to_ids(t) for t in special_token_strings(tokenizer)}
         stop = stop_tokens_of([ref_dir, policy_dir], tokenizer, closing, specials)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else stop.eos[0]

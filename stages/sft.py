@@ -28,7 +28,7 @@ import logging
 from pathlib import Path
 
 from stages.data.limits import TokenizeError, TokenizeLimits
-from stages.data.pair_tokenizer import PairTokenizer, export_template_files
+from stages.data.pair_tokenizer import export_template_files, pair_tokenizer_for
 from stages.data.sft_sources import (Refusals, SFTDataError, examples_digest, probe_prompt_keys, read_sft_sources,
                                      tokenize_examples)
 from stages.data.sources import SourceError
@@ -99,7 +99,8 @@ def sft_examples(params: dict, model_dir: Path, args, refusals: Refusals) -> tup
             raise SFTDataError("sft.sources is set: --probe (probe.parquet) is required to keep probe prompts out")
         examples = read_sft_sources(sources, probe_prompts(args.probe), refusals)
         limits = TokenizeLimits.from_params(params["tokenize"])
-        tokenized = tokenize_examples(examples, PairTokenizer(load_tokenizer(model_dir)), limits, refusals)
+        tokenized = tokenize_examples(examples, pair_tokenizer_for(load_tokenizer(model_dir), params["tokenize"]),
+                                      limits, refusals)
         ids = [ex.example_id for ex, _, _ in tokenized]
         seqs = [s for _, s, _ in tokenized]
         plens = [n for _, _, n in tokenized]
@@ -156,7 +157,8 @@ def _run(args) -> dict:
         out_dir = Path(args.out_dir)
         result = train(SFTObjective(), settings, env, model_dir=model_dir, train_pairs=train_pairs,
                        probe_pairs=probe_pairs, out_dir=out_dir, checkpoint=checkpoint_options(args, env),
-                       environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
+                       environment=environment, perf_path=args.perf,
+                       export_files=export_template_files(model_dir, params.get("tokenize")))
         if env.is_main:
             base = (read_identity(args.identity) if args.identity else None)
             provenance = {"stage": "sft",

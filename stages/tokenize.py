@@ -37,7 +37,8 @@ import numpy as np
 import pyarrow as pa
 
 from stages.data.limits import TRUNCATION_REASONS, TokenizeError, TokenizeLimits, load_limits
-from stages.data.pair_tokenizer import PairTokenizer
+from stages.data.chat_templates import DEFAULT, ChatTemplate
+from stages.data.pair_tokenizer import pair_tokenizer_for
 from stages.data.pool import fork_pool, ordered_results, plan_pool, resolve_workers, worker_state
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers_only_process
 from stages.data.truncation import REJECTIONS_SCHEMA, rejections_table, tokenize_pairs, tokens_table
@@ -97,13 +98,20 @@ def check_probe_complete(rejections: list[dict], pairs_in: int, limits: Tokenize
             f"limits (or re-freeze a probe from data that fits):\n  {listed}")
 
 
-def check_probe_fit(manifest: dict, manifest_path: str, tok_identity: str, limits: TokenizeLimits) -> None:
-    """The probe was drawn to fit this tokenizer under these limits (its manifest's `fit`), or it may not fit."""
+def check_probe_fit(manifest: dict, manifest_path: str, tok_identity: str, limits: TokenizeLimits,
+                    chat_template: ChatTemplate | None = None) -> None:
+    """The probe was drawn to fit this tokenizer under these limits and this rendering (its manifest's `fit`; the
+    rendering recorded only when tokenize.chat_template is not the default), or it may not fit."""
     fit = manifest.get("fit")
     if fit is not None and (fit["tokenizer_identity"], fit["limits"]) != (tok_identity, limits.as_dict()):
         raise TokenizeError(f"{manifest_path}: the probe was frozen to fit tokenizer {fit['tokenizer_identity']} "
                             f"under {canonical_json(fit['limits'])}, but tokenize runs tokenizer {tok_identity} under "
                             f"{canonical_json(limits.as_dict())}; rerun freeze_probe with these settings")
+    want = chat_template.record() if chat_template is not None and chat_template.setting != DEFAULT else None
+    if fit is not None and fit.get("chat_template") != want:
+        raise TokenizeError(f"{manifest_path}: the probe was frozen to fit the rendering "
+                            f"{canonical_json(fit.get('chat_template') or DEFAULT)}, but tokenize renders with "
+                            f"{canonical_json(want or DEFAULT)}; rerun freeze_probe with these settings")
 
 
 class _TrainIntegrity:
@@ -262,7 +270,10 @@ class SplitTally:
                     for k, v in self.length_rejected.items()}}
 
 
-def tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: str, tok_identity: str) -> dict:
+def tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: str, tok_identity: str,
+                    chat_template: ChatTemplate | None = None) -> dict:
+    """`chat_template`: what tokenize.chat_template resolved to (its record: setting, template used, SHA-256; its
+    warning, a silent fallback to the plain rendering, among the warnings)."""
     totals = {"pairs_in": 0, "pairs_out": 0, "rejected": 0, "rejected_by_reason": Counter(), "truncated": 0,
               "truncated_by_reason": dict.fromkeys(TRUNCATION_REASONS, 0)}
     for s in splits.values():
@@ -272,8 +283,12 @@ def tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: 
         for k, v in s["truncated_by_reason"].items():
             totals["truncated_by_reason"][k] += v
     totals["rejected_by_reason"] = dict(sorted(totals["rejected_by_reason"].items()))
-    return {"limits": limits.as_dict(), "rendering": rendering, "tokenizer_identity": tok_identity,
-            "splits": splits, "totals": totals, "warnings": length_loss_warnings(splits, limits)}
+    template_warnings = [chat_template.warning] if chat_template is not None and chat_template.warning else []
+    report = {"limits": limits.as_dict(), "rendering": rendering, "tokenizer_identity": tok_identity,
+              "splits": splits, "totals": totals, "warnings": template_warnings + length_loss_warnings(splits, limits)}
+    if chat_template is not None:
+        report["chat_template"] = chat_template.record()
+    return report
 
 
 def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity: str,
@@ -316,19 +331,26 @@ def read_probe_manifest(manifest_path: str) -> dict:
 
 def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
                       manifest_path: str, out: TokenizeOutputs, log, *, workers: int = 1,
-                      chunk_pairs: int = DEFAULT_CHUNK_PAIRS) -> dict:
+                      chunk_pairs: int = DEFAULT_CHUNK_PAIRS, tok_params: dict | None = None) -> dict:
     """The stage, from its input files to its outputs; returns the report. `workers` is the most processes to use
-    (plan_pool sizes the pool to the input); `chunk_pairs` the most train pairs per work unit."""
+    (plan_pool sizes the pool to the input); `chunk_pairs` the most train pairs per work unit; `tok_params`:
+    params.yaml's tokenize section, for its chat_template (None: the default, the tokenizer's own)."""
     manifest = read_probe_manifest(manifest_path)
     probe = read_parquet(probe_path).to_pylist()  # the probe is small (probe.size pairs) and is scored whole
     check_pairs(probe, probe_path)
     check_probe_matches_manifest(probe, manifest, probe_path, manifest_path)
 
     tok_identity = tokenizer_identity(tokenizer_dir)
-    pair_tokenizer = PairTokenizer(load_tokenizer(tokenizer_dir))
+    pair_tokenizer = pair_tokenizer_for(load_tokenizer(tokenizer_dir), tok_params)
+    chat_template = pair_tokenizer.chat_template
     log.info("tokenizer %s (identity %s), rendering: %s", display_path(tokenizer_dir), tok_identity,
              pair_tokenizer.rendering)
-    check_probe_fit(manifest, manifest_path, tok_identity, limits)
+    if chat_template.name != "tokenizer":   # (the default's log line is unchanged: the log is hashed)
+        log.info("chat template: %s (tokenize.chat_template %s, sha256 %s)", chat_template.name,
+                 chat_template.setting, chat_template.sha256)
+    if chat_template.warning:
+        log.warning("%s", chat_template.warning)
+    check_probe_fit(manifest, manifest_path, tok_identity, limits, chat_template)
     train_file = open_parquet(train_path)
     plan = plan_pool(train_file.metadata.num_rows, len(probe), resolve_workers(workers), chunk_pairs)
     integrity = _TrainIntegrity(train_path, {p["pair_id"] for p in probe})
@@ -366,7 +388,7 @@ def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: s
         log.info("probe: %d pairs truncated %s (each recorded in the probe token manifest)", len(truncations),
                  canonical_json(counts))
     report = tokenize_report({split: t.report() for split, t in tally.items()}, limits, pair_tokenizer.rendering,
-                             tok_identity)
+                             tok_identity, chat_template)
     write_json(out.probe_token_manifest, probe_token_manifest(probe_rows, manifest["probe_digest"], tok_identity,
                                                               truncations, limits))
     write_json(out.report, report)
@@ -398,9 +420,9 @@ def _run(args) -> None:
     out = TokenizeOutputs(args.train_tokens, args.probe_tokens, args.probe_token_manifest, args.report,
                           args.rejections)
     report = tokenize_to_files(limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, out, log,
-                               workers=workers, chunk_pairs=args.chunk_pairs)
+                               workers=workers, chunk_pairs=args.chunk_pairs, tok_params=params)
     train, probe = report["splits"]["train"], report["splits"]["probe"]
-    for warning in report["warnings"]:
+    for warning in length_loss_warnings(report["splits"], limits):
         log.warning("data lost to length: %s", warning)
     # No worker count or timing here: the log is hashed with the outputs.
     log.info("train: %d pairs in, %d out, %d rejected %s, %d truncated; probe: %d pairs, digest %s",

@@ -95,7 +95,7 @@ def _run(args) -> dict:
                                                         "init_model": directory_digest(start_dir)})
         return train(DPOObjective(dpo, ref), settings, env, model_dir=start_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint,
-                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
+                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir, params.get("tokenize")))
     finally:
         shutdown_distributed()
 

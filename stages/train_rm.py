@@ -51,7 +51,8 @@ def _run(args) -> dict:
         objective = RewardObjective(params["rm"], train_pairs.margins, source=str(args.train_tokens))
         return train(objective, settings, env, model_dir=model_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint_options(args, env),
-                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir))
+                     environment=environment, perf_path=args.perf,
+                     export_files=export_template_files(model_dir, params.get("tokenize")))
     finally:
         shutdown_distributed()
 

@@ -155,15 +155,20 @@ class CommitRefused(Exception):
     """The run's record cannot be written as asked; str() names the file and the stage to rerun."""
 
 
-def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | None = None) -> list[str]:
+def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | None = None,
+                dag: list[str] | None = None) -> list[str]:
     """Record in dvc.lock the stages whose jobs ran in this Snakemake run (`ran`: rule names = dvc.yaml stage
     names), what `dvc commit --force <those stages>` records, done in one DVC session. Returns the committed names.
 
     Only what this run built is recorded. Every other stage that dvc.lock records is checked: an output that exists
-    but no longer hashes to its recorded value was changed outside the pipeline (on-disk corruption, a hand edit)
-    and must never become the record, so after writing the ran stages' entries the commit is refused naming it and
-    the stage to rerun. A missing output of a stage outside this run is a workspace that lacks it (`dvc status`
-    says deleted), not a new truth: its entry is left as it was.
+    but no longer hashes to its recorded value is never recorded. `dag`: the stages of this run's DAG (None: every
+    stage). Such an output of a stage in the DAG changed while the run went on, outside the pipeline (on-disk
+    corruption, a hand edit; the start-up check forced every stage of the DAG whose outputs had changed), so after
+    writing the ran stages' entries the commit is refused naming it and the stage to rerun. A stage outside the DAG
+    (a targeted run, `snakemake --cores 2 judge`, whose start-up check left it as it was) is reported, with the
+    command that rebuilds it, and does not fail the run that did its work (issue 37 item 6). A missing output of a
+    stage outside this run is a workspace that lacks it (`dvc status` says deleted), not a new truth: its entry is
+    left as it was.
 
     dvc.lock is written atomically (a copy updated beside it, fsync'd, renamed over it): a crash leaves the old
     record or the new one, never an empty or partial file.
@@ -216,6 +221,13 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
             stage.commit(relink=True)
         if built:
             _dump_lock_atomically(repo, root, built)
+    outside = {name: paths for name, paths in changed.items() if dag is not None and name not in dag}
+    if outside:
+        names = sorted(outside)
+        print("sync_dvc: not recorded in dvc.lock (outside this run's targets, changed since they were built): "
+              + "; ".join(f"{', '.join(outside[name])} (stage {name})" for name in names)
+              + f"; `snakemake --cores N --forcerun {' '.join(names)}` rebuilds them", file=sys.stderr)
+    changed = {name: paths for name, paths in changed.items() if name not in outside}
     if changed:
         lines = "; ".join(f"{', '.join(paths)} (stage {name}: snakemake --forcerun {name})"
                           for name, paths in sorted(changed.items()))
@@ -336,6 +348,9 @@ def main(argv: list[str] | None = None) -> int:
                       help="record in dvc.lock the stages named by --ran (the jobs a Snakemake run just ran)")
     ap.add_argument("--ran", nargs="*", default=[], metavar="STAGE",
                     help="with --commit-lock: the stages whose jobs ran (only these are recorded)")
+    ap.add_argument("--dag", nargs="*", default=None, metavar="STAGE",
+                    help="with --commit-lock: the stages of the run's DAG (ran or up to date); a changed output of "
+                         "another stage is reported, not refused (a targeted run)")
     mode.add_argument("--record-for-snakemake", nargs="+", metavar="FILE",
                       help="record files DVC just built in Snakemake's provenance (snakemake --touch)")
     args = ap.parse_args(argv)
@@ -352,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("dvc").setLevel(logging.WARNING)  # as `dvc commit --quiet`: no "Updating lock file"
         from integrity import IntegrityError
         try:
-            commit_lock(ran=args.ran)
+            commit_lock(ran=args.ran, dag=args.dag)
         except (CommitRefused, IntegrityError) as e:
             print(f"sync_dvc --commit-lock: refused: {e}", file=sys.stderr)
             return 1

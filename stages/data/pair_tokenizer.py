@@ -26,10 +26,11 @@ import re
 from dataclasses import dataclass, replace
 
 from stages.data.limits import TokenizeError, TokenizeLimits
-from stages.data.render import (BranchRejected, chat_template_renderer, export_chat_template, render_chat, render_plain,
-                                template_problem)
-from stages.data.tokenizer import (SPACE_CUT, chat_template_text, cuts_at_spaces, max_chars_per_token,
-                                   special_token_strings, untrimmed_backend)
+from stages.data.chat_templates import DEFAULT, ChatTemplate, resolve_chat_template, setting_of
+from stages.data.render import (BranchRejected, export_chat_template, render_chat, render_plain, template_problem,
+                                template_renderer)
+from stages.data.tokenizer import (SPACE_CUT, cuts_at_spaces, max_chars_per_token, special_token_strings,
+                                   untrimmed_backend)
 
 
 def completion_start(offsets: list[tuple[int, int]], prompt_chars: int) -> int:
@@ -116,14 +117,17 @@ def bounded_text(prompt_chars: int, text: str, limits: TokenizeLimits, chars_per
 class PairTokenizer:
     """Renders and encodes branches with one tokenizer; holds the pieces that are fixed per tokenizer."""
 
-    def __init__(self, tokenizer, bound_chars: bool = True):
-        """bound_chars=False: every text is tokenized whole (the reference bounded_text's cuts are tested against)."""
+    def __init__(self, tokenizer, bound_chars: bool = True, chat_template: ChatTemplate | None = None):
+        """bound_chars=False: every text is tokenized whole (the reference bounded_text's cuts are tested against).
+        chat_template: the rendering tokenize.chat_template resolved to (stages/data/chat_templates.py); None: the
+        default setting (the tokenizer's own template, else plain)."""
         self.tokenizer = tokenizer
-        template = chat_template_text(tokenizer)
+        self.chat_template = chat_template or resolve_chat_template(DEFAULT, tokenizer)
+        template = self.chat_template.text
         self.uses_chat_template = template is not None
         if self.uses_chat_template and "add_generation_prompt" not in template:
             # Without a generation prompt the assistant header would land in the completion and be scored.
-            raise TokenizeError("the tokenizer's chat template ignores add_generation_prompt, so the "
+            raise TokenizeError(f"the chat template ({self.chat_template.name}) ignores add_generation_prompt, so the "
                                 "prompt/completion boundary cannot be placed after the assistant header")
         self.backend = untrimmed_backend(tokenizer)
         self.chars_per_token = max_chars_per_token(self.backend) if bound_chars else None
@@ -132,7 +136,8 @@ class PairTokenizer:
         self.specials = special_token_strings(tokenizer)
         self._special_re = re.compile("|".join(map(re.escape, self.specials))) if self.specials else None
         self.add_special_tokens = not self.uses_chat_template
-        self._render_template = chat_template_renderer(tokenizer) if self.uses_chat_template else None
+        self._render_template = (template_renderer(template, dict(tokenizer.special_tokens_map))
+                                 if self.uses_chat_template else None)
 
     @property
     def rendering(self) -> str:
@@ -204,26 +209,34 @@ def turn_closing(pair_tokenizer: PairTokenizer) -> list[int]:
     return [int(i) for i, (start, _) in zip(enc.ids, enc.offsets) if start >= end]
 
 
-def exported_chat_template(tokenizer) -> str:
+def pair_tokenizer_for(tokenizer, tok_params: dict | None, **kwargs) -> PairTokenizer:
+    """The pair tokenizer of params.yaml's `tokenize` section (its chat_template setting) for `tokenizer`: what every
+    stage that renders a conversation builds, so they all render alike."""
+    return PairTokenizer(tokenizer, chat_template=resolve_chat_template(setting_of(tok_params), tokenizer), **kwargs)
+
+
+def exported_chat_template(tokenizer, tok_params: dict | None = None) -> str:
     """The chat template a trained model's export carries (chat_template.jinja): `apply_chat_template` renders a
     conversation with it exactly as tokenize rendered a pair's branch, prompt with the generation prompt and whole
-    conversation alike (stages/data/render.py export_chat_template); checked on sample conversations here, and a
-    template that would render otherwise refused (TokenizeError) before anything is trained."""
-    pt = PairTokenizer(tokenizer)
-    template = export_chat_template(tokenizer, pt.eos_token, pt.specials, pt.export_prefix)
+    conversation alike (stages/data/render.py export_chat_template), under tokenize.chat_template (`tok_params`);
+    checked on sample conversations here, and a template that would render otherwise refused (TokenizeError)
+    before anything is trained."""
+    pt = pair_tokenizer_for(tokenizer, tok_params)
+    template = export_chat_template(pt.chat_template.text, pt.eos_token, pt.specials, pt.export_prefix)
     problem = template_problem(pt, template)
     if problem is not None:
         raise TokenizeError(f"the chat template the export would carry does not render as tokenize does: {problem}")
     return template
 
 
-def export_template_files(model_dir) -> dict[str, str]:
+def export_template_files(model_dir, tok_params: dict | None = None) -> dict[str, str]:
     """{file name: text} a trained model's export writes beside the tokenizer it copies from `model_dir` (the
-    reference): chat_template.jinja from exported_chat_template; nothing when the directory has no tokenizer."""
+    reference): chat_template.jinja from exported_chat_template (tokenize.chat_template: `tok_params`); nothing when
+    the directory has no tokenizer."""
     from pathlib import Path
 
     from stages.data.tokenizer import load_tokenizer
     from stages.lib.contracts import TOKENIZER_VOCAB_FILES
     if not any((Path(model_dir) / name).is_file() for name in TOKENIZER_VOCAB_FILES):
         return {}
-    return {"chat_template.jinja": exported_chat_template(load_tokenizer(model_dir))}
+    return {"chat_template.jinja": exported_chat_template(load_tokenizer(model_dir), tok_params)}

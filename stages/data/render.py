@@ -123,13 +123,13 @@ def _jinja_literal(text: str) -> str:
     return json.dumps(text)          # a JSON string is a valid Jinja string literal (same escapes)
 
 
-def export_chat_template(tokenizer, eos_token: str | None, specials: list[str], prefix: str = "") -> str:
+def export_chat_template(own: str | None, eos_token: str | None, specials: list[str], prefix: str = "") -> str:
     """A Jinja chat template with which `apply_chat_template` renders a conversation as tokenize rendered a pair's
-    branch (PairTokenizer.render): the tokenizer's own template, or the plain role tags (render_plain), and the EOS
+    branch (PairTokenizer.render): the template tokenize used (`own`: tokenize.chat_template's, the tokenizer's
+    own by default), or the plain role tags (None: render_plain), and the EOS
     tokenize appends after an assistant turn whose rendering does not already end with a special token.
     `prefix`: the text of the special tokens the tokenizer's post-processor puts first (a BOS) in a plain rendering,
     which tokenize encodes with them and apply_chat_template without."""
-    own = chat_template_text(tokenizer)
     ends_turn = ("messages and messages[-1]['role'] == 'assistant' and not add_generation_prompt")
     if own is not None:
         # The own template's output captured whole (`+%}` / `{%+` keep Jinja's trim/lstrip from touching its edges).

@@ -16,9 +16,10 @@ from stages.lib.training_plan import plan_warnings
 
 def check_plan(n_pairs: int, settings: TrainSettings, world_size: int) -> list[str]:
     """Refuse a plan in which no optimizer step would train; return the warnings for the log."""
-    steps = planned_steps(n_pairs, settings.epochs, settings.global_batch_pairs)
+    steps = planned_steps(n_pairs, settings.epochs, settings.global_batch_pairs, settings.max_steps)
     counts = (f"{n_pairs} train pair{'s' if n_pairs != 1 else ''} x train.epochs {settings.epochs:g} in batches of "
-              f"train.global_batch_pairs {settings.global_batch_pairs} on world size {world_size}")
+              f"train.global_batch_pairs {settings.global_batch_pairs} on world size {world_size}"
+              + (f", capped at train.max_steps {settings.max_steps}" if settings.max_steps is not None else ""))
     if steps == 0:
         raise TrainConfigError(f"no optimizer step would run: {counts} make 0 steps (tokenize kept no train pairs?)")
     schedule = LRSchedule(settings, steps)

@@ -52,7 +52,7 @@ from stages.engine.checkpoint import (CheckpointOptions, agree_on_checkpoint, lo
 from stages.lib.environment import environment_record
 from stages.lib.io import MEASUREMENT, write_json, write_jsonl, write_text
 from stages.engine.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
-from stages.engine.packing import StepPlan, TokenPairs, plan_training
+from stages.engine.packing import StepPlan, TokenPairs, plan_training, planned_steps
 from stages.engine.step_profiler import StepProfiler
 from stages.engine import startup
 
@@ -192,15 +192,23 @@ def cast_to_compute_dtype(module: nn.Module, settings: TrainSettings) -> dict[in
     return masters
 
 
+def uncapped_steps(run: "Run") -> int:
+    """The optimizer steps train.epochs make without train.max_steps."""
+    s = run.settings
+    return planned_steps(len(run.train_pairs), s.epochs, s.global_batch_pairs)
+
+
 def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
               probe_pairs: TokenPairs, out_dir: Path, ckpt: CheckpointOptions) -> Run:
     """Model (seeded head), precision, fused kernels compiled, wrapping, optimizer, plan; resumed when a
     checkpoint of this exact run exists."""
     # The plan first (a pure function of the tokens and settings): the optimizer refusals and the memory plan
     # need its micro-batches, and both must come before any weight is read.
+    # train.max_steps cuts the plan; LRSchedule below is then computed for the cut length (len(plans)).
     plans = plan_training(train_pairs.pair_tokens, epochs=settings.epochs, world_size=env.world_size,
                           global_batch_pairs=settings.global_batch_pairs,
-                          micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed)
+                          micro_batch_tokens=settings.micro_batch_tokens, seed=settings.seed,
+                          max_steps=settings.max_steps)
     step_tokens = [int(sum(train_pairs.pair_tokens[mb].sum() for mb in s.rank_micro_batches[r]))
                    for s in plans for r in range(env.world_size)]
     check_optimizer_settings(settings, env.world_size,
@@ -259,6 +267,10 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
              "attention %s", objective.name, len(train_pairs), len(probe_pairs), len(plans), env.world_size,
              env.backend, settings.parallel, run.n_params / 1e6,
              attention_backend(env.device, torch.bfloat16 if env.device.type == "cuda" else torch.float32))
+    if settings.max_steps is not None:
+        log.info("train.max_steps %d: %d of the %d optimizer steps train.epochs %g make (through epoch %.4f); the "
+                 "learning-rate schedule is computed for %d steps", settings.max_steps, len(plans), uncapped_steps(run),
+                 settings.epochs, plans[-1].epoch_progress, len(plans))
     if adapter is not None:
         log.info("adapter %s r=%d alpha=%g dropout=%g on %s: %d trainable parameters", adapter.settings["type"],
                  adapter.settings["r"], adapter.settings["alpha"], adapter.settings["dropout"],
@@ -466,6 +478,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "train_pairs": len(run.train_pairs),
         "probe_pairs": len(run.probe_pairs),
         "optimizer_steps": len(run.plans),
+        # train.max_steps: the steps train.epochs alone would have made (the record of what the cap cut)
+        **({"steps_uncapped": uncapped_steps(run)} if settings.max_steps is not None else {}),
         "resumed_from_step": run.resumed[1]["step"] if run.resumed is not None else None,
         "checkpoints_saved": run.saved_checkpoints,
         "per_rank": plan_summary(run.plans, run.train_pairs, env.world_size),

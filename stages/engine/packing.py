@@ -232,15 +232,18 @@ def epoch_sizes(n_pairs: int, epochs: float) -> list[int]:
     return sizes
 
 
-def planned_steps(n_pairs: int, epochs: float, global_batch_pairs: int) -> int:
+def planned_steps(n_pairs: int, epochs: float, global_batch_pairs: int, max_steps: int | None = None) -> int:
     """len(plan_training(...)) from the counts alone (no packing): known before anything is loaded."""
-    return sum(math.ceil(size / global_batch_pairs) for size in epoch_sizes(n_pairs, epochs)) if n_pairs else 0
+    steps = sum(math.ceil(size / global_batch_pairs) for size in epoch_sizes(n_pairs, epochs)) if n_pairs else 0
+    return steps if max_steps is None else min(steps, max_steps)
 
 
 def plan_training(pair_tokens: np.ndarray, *, epochs: float, global_batch_pairs: int, world_size: int,
-                  micro_batch_tokens: int, seed: int) -> list[StepPlan]:
+                  micro_batch_tokens: int, seed: int, max_steps: int | None = None) -> list[StepPlan]:
     """Every optimizer step of the run. A fractional last epoch takes the first part of its shuffle;
-    the last step of an epoch may hold fewer pairs (its loss is normalized by its own pair count)."""
+    the last step of an epoch may hold fewer pairs (its loss is normalized by its own pair count).
+    max_steps (train.max_steps): the first max_steps of those steps (the same steps as uncapped: a cap never
+    reshuffles)."""
     n = len(pair_tokens)
     if n == 0:
         raise ValueError("no training pairs")
@@ -250,6 +253,8 @@ def plan_training(pair_tokens: np.ndarray, *, epochs: float, global_batch_pairs:
         for start in range(0, size, global_batch_pairs):
             chunk = order[start:start + global_batch_pairs]
             per_rank = assign_pairs_to_ranks(chunk, pair_tokens, world_size)
+            if max_steps is not None and len(steps) >= max_steps:
+                return steps
             steps.append(StepPlan(
                 step=len(steps), epoch=epoch, epoch_progress=epoch + (start + len(chunk)) / n,
                 rank_micro_batches=[pack_micro_batches(p, pair_tokens, micro_batch_tokens) for p in per_rank]))

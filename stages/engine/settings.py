@@ -51,6 +51,7 @@ class TrainSettings:
     save_every: int                    # checkpoint every N optimizer steps (and after the last); 0 = never
     keep_checkpoints: int              # complete checkpoints of a run kept on disk (the newest ones)
     adapter: dict | None = None        # None = full fine-tuning; {type: lora, ...}: stages/engine/adapters.py
+    max_steps: int | None = None       # cap on optimizer steps (None: train.epochs decide); the schedule is the cap's
     # None = {state: exact, fused_backward: false}; else normalized to both keys (__post_init__).
     optimizer: dict | None = None
 
@@ -86,7 +87,7 @@ class TrainSettings:
         """The settings as a JSON-able dict (run_info, checkpoint header); `adapter` only when set, so a full
         fine-tune's record is what it was before adapters existed."""
         out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-        for optional in ("adapter", "optimizer"):     # absent when unset: the default record stays as it was
+        for optional in ("adapter", "optimizer", "max_steps"):   # absent when unset: the default record stays as it was
             if out[optional] is None:
                 del out[optional]
         return out
@@ -115,4 +116,5 @@ class TrainSettings:
         train = resolved_train(params["train"])   # adapter: absent = None; a LoRA block's omitted keys filled
         train["adam_betas"] = tuple(float(b) for b in train["adam_betas"])
         train.setdefault("optimizer", None)    # optional key: absent = exact AdamW, stepped after backward
+        train.setdefault("max_steps", None)    # optional key: absent = every step train.epochs make
         return cls(**{f.name: train[f.name] for f in fields(cls)})

@@ -188,6 +188,12 @@ def sft_lines(sft: dict, params: dict) -> list[str]:
             "ref_logps, train_dpo, train_rm and generate.", ""]
 
 
+def _steps(info: dict) -> str:
+    """The optimizer steps, and what train.max_steps cut them from (absent: uncapped, the cell as it always was)."""
+    capped = info.get("steps_uncapped")
+    return f"{info.get('optimizer_steps')}" + (f" (train.max_steps: of {capped})" if capped is not None else "")
+
+
 def summary_sections(records: dict, params: dict) -> list[str]:
     """The summary's "What ran" and (mixtures) "Per-source probe accuracy" lines."""
     lines = ["## What ran", ""]
@@ -239,7 +245,7 @@ def summary_sections(records: dict, params: dict) -> list[str]:
             lines.append(f"| {label} | {info.get('objective')} | {loss} | {beta} | {st.get('lr')} | "
                          f"{st.get('schedule')} ({st.get('warmup_ratio')}) | {st.get('global_batch_pairs')} | "
                          f"{st.get('epochs')} | {st.get('seed')} | {_adapter(st)} | {info.get('train_pairs')} | "
-                         f"{info.get('optimizer_steps')} | {info.get('world_size')} |")
+                         f"{_steps(info)} | {info.get('world_size')} |")
         lines.append("")
     per_source = per_source_accuracy(records, params)
     if per_source:

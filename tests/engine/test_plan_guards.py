@@ -120,3 +120,52 @@ def test_the_summary_carries_the_plan_warnings_and_nothing_when_the_plan_is_soun
     assert "- rm: every optimizer step is inside the learning-rate warmup (train.warmup_ratio 0.1 of 20 steps)" in text
     mean = {**metrics, "dpo": {**metrics["dpo"], "implicit_reward": "mean_logp"}}
     assert "Implicit reward scored, as dpo.loss declares it: dpo: mean_logp" in render_summary(mean, None, [], params)
+
+
+def test_max_steps_cuts_the_plan_and_the_schedule_is_the_cut_runs(tmp_path):
+    """Issue 37 item 3 (max_steps only): `train.max_steps: 3` on a run train.epochs would make 8 steps of: 3 optimizer
+    steps, the first 3 of the uncapped plan, at the learning rates of a 3-step schedule (warmup and cosine decay to
+    the end of the cut run, not of the 8 steps); recorded in run_info.json and said in the log."""
+    import csv
+
+    from stages import train_dpo
+    from stages.engine.settings import TrainSettings
+    from stages.lib.io import read_json
+
+    args = _stage_inputs(tmp_path, 64)
+    params = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    params["train"].update({"epochs": 2, "max_steps": 3, "warmup_ratio": 0.34})
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
+    train_dpo.main(args)
+
+    info = read_json(tmp_path / "out/run_info.json")
+    assert (info["optimizer_steps"], info["steps_uncapped"], info["settings"]["max_steps"]) == (3, 8, 3)
+    with open(tmp_path / "out/train_log.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    settings = TrainSettings.from_params(params)
+    capped, full = LRSchedule(settings, 3), LRSchedule(settings, 8)
+    assert [float(r["lr"]) for r in rows] == pytest.approx([capped.lr(k) for k in range(3)], rel=1e-6)
+    assert [capped.lr(k) for k in range(3)] != pytest.approx([full.lr(k) for k in range(3)])
+    assert "train.max_steps 3: 3 of the 8 optimizer steps train.epochs 2 make" in (tmp_path / "stage.log").read_text()
+    summary = render_summary({}, None, [], params, records={"run_info": {"dpo": info}})
+    assert "| 3 (train.max_steps: of 8) | 1 |" in summary, summary
+    # The steps are the uncapped plan's first three (a cap never reshuffles).
+    tokens = np.full(64, 10)
+    kw = dict(epochs=2, global_batch_pairs=16, world_size=1, micro_batch_tokens=160, seed=5)
+    assert plan_training(tokens, max_steps=3, **kw) == plan_training(tokens, **kw)[:3]
+    assert planned_steps(64, 2, 16, max_steps=3) == 3 and planned_steps(64, 2, 16, max_steps=100) == 8
+
+
+def test_max_steps_below_one_is_refused_naming_the_key(tmp_path, capsys):
+    from stages import train_dpo
+
+    args = _stage_inputs(tmp_path, 32, weights=False)
+    params = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    params["train"]["max_steps"] = 0
+    (tmp_path / "p.yaml").write_text(yaml.safe_dump(params))
+    with pytest.raises(SystemExit) as e:
+        train_dpo.main(args)
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "train_dpo: refused:" in err and "train.max_steps" in err, err

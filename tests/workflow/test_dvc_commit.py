@@ -167,6 +167,36 @@ def test_an_output_changed_outside_the_run_is_never_recorded(tmp_path):
 
 
 @needs_tools
+def test_a_targeted_run_records_what_it_ran_and_reports_the_stages_outside_it(tmp_path):
+    """Issue 37 item 6: a run for one target (`snakemake --cores 2 out/made.txt`, as `snakemake --cores 2 judge`)
+    whose DAG leaves out a stage with changed outputs (here other's; in the pipeline, evaluate's metrics from an
+    interrupted earlier run) records what it ran and prints the others with the command that rebuilds them, exit 0;
+    they are still never recorded. The same change inside the run's DAG stays a refusal."""
+    repo = built_repo(tmp_path)
+    sync_dvc.commit_lock(repo, ran=BUILT)
+    before = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    (repo / "out/other.txt").write_text("changed by a run that was never recorded\n")
+    (repo / "knob.txt").write_text("two\n")
+    sh("snakemake", "--cores", "2", "out/made.txt", cwd=repo)
+    # The onsuccess command line; sync_dvc.py records the repository it lives in: a copy placed in the small repo.
+    shutil.copytree(REPO_ROOT / "workflow", repo / "workflow", ignore=shutil.ignore_patterns("__pycache__"))
+    r = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", "make", "--dag", "make"],
+                       cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert ("sync_dvc: not recorded in dvc.lock (outside this run's targets, changed since they were built): "
+            "out/other.txt (stage other); `snakemake --cores N --forcerun other` rebuilds them") in r.stderr
+    after = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    assert after["make"] != before["make"] and after["other"] == before["other"]
+    assert "other" in dvc_changed(repo)
+    # In the DAG (ran or up to date), the changed output is refused as before.
+    r = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", "make", "--dag", "make",
+                        "other"], cwd=repo, capture_output=True, text=True)
+    assert r.returncode == 1
+    assert "refused: not recorded in dvc.lock: outputs changed since they were built" in r.stderr
+    assert "out/other.txt (stage other: snakemake --forcerun other)" in r.stderr
+
+
+@needs_tools
 def test_an_empty_or_corrupt_dvc_lock_is_refused_not_overwritten(tmp_path):
     repo = built_repo(tmp_path)
     for text in ("", "stages: [unclosed\n"):

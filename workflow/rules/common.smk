@@ -34,3 +34,10 @@ FINAL_TARGETS = [
 ENV_RECORD = OUT["environment"]["record"]
 LOCK = "requirements/lock.txt"
 
+# tokenize.chat_template (stages/data/chat_templates.py): every stage that renders a conversation (freeze_probe's fit,
+# tokenize, sft, the exports of train_dpo / train_rm, generate and judge's turn closing) reads the setting (each declares
+# tokenize.chat_template: stages/lib/layout.py) and, when it is a Jinja file, the file (CHAT_TEMPLATE_FILE, an input).
+from stages.data.chat_templates import template_input
+
+CHAT_TEMPLATE_FILE = template_input(config["tokenize"])
+

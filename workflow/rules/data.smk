@@ -38,6 +38,7 @@ rule freeze_probe:
         environment=ENV_RECORD,
         pairs=rules.normalize.output.pairs,
         identity=OUT["verify_ref"]["identity"],
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.freeze_probe"),
     output:
         train=OUT["freeze_probe"]["train"],

@@ -58,6 +58,7 @@ rule generate:
         policy=rules.verify_policy.output.identity if "policy" in PINNED else rules.train_dpo.output.model,
         probe=rules.freeze_probe.output.probe,
         probe_tokens=rules.tokenize.output.probe_tokens,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.generate"),
     output:
         generations=OUT["generate"]["generations"],
@@ -89,6 +90,7 @@ rule judge:
         identity=REF_IDENTITY,
         judge=rules.verify_judge.output.identity if "judge" in PINNED else rules.train_rm.output.model,
         generations=rules.generate.output.generations,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.judge"),
     output:
         judgments=OUT["judge"]["judgments"],

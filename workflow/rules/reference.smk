@@ -29,6 +29,7 @@ rule tokenize:
         train=rules.freeze_probe.output.train,
         probe=rules.freeze_probe.output.probe,
         manifest=rules.freeze_probe.output.manifest,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.tokenize"),
     output:
         train_tokens=OUT["tokenize"]["train_tokens"],

@@ -36,6 +36,7 @@ for _k in range(2, N_ROUNDS + 1):
             train=rules.freeze_probe.output.train if ROUND_LABELER == "grader" else [],
             train_tokens=TOKENS.train_tokens,
             code=code_deps("stages.round_pairs"),
+            chat_template=CHAT_TEMPLATE_FILE,
         output:
             **round_outputs("pairs", _k),
         params:
@@ -103,6 +104,7 @@ for _k in range(2, N_ROUNDS + 1):
             init=round_policy(rules, _k),
             ref_logps=getattr(rules, round_rule("ref_logps", _k)).output.ref_logps,
             code=code_deps("stages.train_dpo"),
+            chat_template=CHAT_TEMPLATE_FILE,
             schema=schema_input("round_train_dpo"),
         output:
             model=directory(round_outputs("train_dpo", _k)["model"]),
@@ -138,6 +140,7 @@ for _k in range(2, N_ROUNDS + 1):
             probe=rules.freeze_probe.output.probe,
             probe_tokens=rules.tokenize.output.probe_tokens,
             code=code_deps("stages.generate"),
+            chat_template=CHAT_TEMPLATE_FILE,
         output:
             **round_outputs("generate", _k),
         params:
@@ -166,6 +169,7 @@ for _k in range(2, N_ROUNDS + 1):
             judge=rules.verify_judge.output.identity if "judge" in PINNED else rules.train_rm.output.model,
             generations=getattr(rules, round_rule("generate", _k)).output.generations,
             code=code_deps("stages.judge"),
+            chat_template=CHAT_TEMPLATE_FILE,
         output:
             **round_outputs("judge", _k),
         params:

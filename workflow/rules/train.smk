@@ -43,6 +43,7 @@ rule sft:
         sources=[data_location(f) for _, files in resolve_sft_source_files(SFT_SOURCES) for f in files]
         if SFT_SOURCES
         else [],
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.sft"),
         schema=schema_input("sft"),
     output:
@@ -116,6 +117,7 @@ rule train_dpo:
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_dpo"),
         schema=schema_input("train_dpo"),
     output:
@@ -152,6 +154,7 @@ rule train_rm:
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
+        chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_rm"),
         schema=schema_input("train_rm"),
     output:
