@@ -1,6 +1,7 @@
 """Faults users meet, replayed on the real pipeline (issue 26): real snakemake, real DVC, real kills by PID.
 
-One workspace is built once (a fresh-clone copy of this checkout, `snakemake --cores 2`: the committed record),
+One workspace is built once (a fresh-clone copy of this checkout, `snakemake --cores 2`: the committed record; the
+session builds it once for this module and the e2e story, tests/pipeline_helpers.py finished_default_run),
 then each scenario breaks it the way users do and checks that the next run rebuilds or refuses naming the file,
 never reports success on wrong bytes, and leaves the committed record again: dvc.lock byte-identical to this
 checkout's, `dvc status` clean, `report verify --workspace .` passing. The scenarios run in file order on the one
@@ -18,15 +19,15 @@ from pathlib import Path
 import pytest
 
 from conftest import REPO_ROOT
-from pipeline_helpers import copy_checkout, dvc_changed_stages, sh
+from pipeline_helpers import copy_finished_run, dvc_changed_stages, sh
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    repo = copy_checkout(tmp_path_factory.mktemp("faults") / "repo")
-    sh("snakemake", "--cores", "2", cwd=repo)
+    # The session's finished default run (built once, shared with the e2e story), copied for this module.
+    repo, _ = copy_finished_run(tmp_path_factory, tmp_path_factory.mktemp("faults"))
     assert_is_the_record(repo)
     return repo
 
@@ -52,12 +53,14 @@ def flip_bit(path: Path, offset_fraction: float = 0.5) -> None:
 
 
 def test_flipped_bits_in_outputs_are_rebuilt_not_recorded(workspace):
-    """A bit flipped in the reference log-probs, the train tokens and the exported reward model: the next run
-    names each file, rebuilds it (and what depends on it), and the record is the committed one again. Before,
-    Snakemake retrained on the corrupted values and the onsuccess commit recorded their hashes."""
+    """A bit flipped in a parquet output read by later stages, a JSON output and a file inside a directory output:
+    the next run names each file, rebuilds it (and what depends on it), and the record is the committed one again.
+    Before, Snakemake ran on the corrupted values and the onsuccess commit recorded their hashes (issue 26 flipped
+    the reference log-probs, the train tokens and the reward model: the check is the same for every recorded file,
+    so files of the cheap late stages are flipped here; a flipped model is test_a_dvc_lock_that_lost_a_stage's)."""
     repo = workspace
-    flipped = ["results/ref_logps/ref_logps.parquet", "results/tokens/train_tokens.parquet",
-               "results/train_rm/model/model.safetensors"]
+    flipped = ["results/generate/generations.parquet", "results/evaluate/bootstrap_summary.json",
+               "results/report/curves/dpo_train_curves.png"]
     for rel in flipped:
         flip_bit(repo / rel)
     dry = run(repo, "snakemake", "-n", "--cores", "2")
@@ -486,3 +489,4 @@ def test_a_probe_larger_than_the_data_is_refused_before_anything_trains(workspac
     done = run(repo, "snakemake", "--cores", "1")
     assert done.returncode == 0, done.stderr[-4000:]
     assert_is_the_record(repo)
+

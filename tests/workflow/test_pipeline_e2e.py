@@ -14,15 +14,16 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from pipeline_helpers import commit, copy_checkout, dvc_changed_stages, lock_outs, sh
+from pipeline_helpers import commit, copy_finished_run, dvc_changed_stages, lock_outs, sh
 
 pytestmark = pytest.mark.slow
 
 
-def test_snakemake_and_dvc_run_one_dag(tmp_path):
-    repo = copy_checkout(tmp_path / "repo")
-    home = tmp_path / "home"       # empty: no matplotlib font cache, no HF cache, nothing from an earlier run
-    sh("snakemake", "--cores", "2", cwd=repo, home=home)
+def test_snakemake_and_dvc_run_one_dag(tmp_path, tmp_path_factory):
+    # A fresh-clone copy run with `snakemake --cores 2` and an empty HOME (no matplotlib font cache, no HF cache,
+    # nothing from an earlier run): the session builds that once (finished_default_run, shared with test_faults);
+    # this test gets its own copy, with the HOME that run left.
+    repo, home = copy_finished_run(tmp_path_factory, tmp_path)
     # Golden: a clean checkout, run as README's first command runs it, gives exactly the committed record.
     # Every artifact of the CPU default is portable (docs/ARTIFACTS.md), so this holds on any x86-64 CPU
     # with the locked environment; a stale record (code changed, dvc.lock not regenerated) fails here too.
