@@ -490,3 +490,86 @@ def test_a_probe_larger_than_the_data_is_refused_before_anything_trains(workspac
     assert done.returncode == 0, done.stderr[-4000:]
     assert_is_the_record(repo)
 
+
+def _bundle_with_extra_member(src: Path, dst: Path, name: str, size: int, listed_size: int | None = None) -> None:
+    """`src`'s members (a bundle the report stage wrote) plus `name`: `size` zero bytes, written and hashed as a
+    stream, and the manifest recomputed as a careful forger would (the new member listed with its sha256 and
+    `listed_size`, its true size unless given), so every hash adds up."""
+    import hashlib
+    import io
+    import json
+    import tarfile
+
+    class Zeros(io.RawIOBase):
+        def __init__(self, n: int) -> None:
+            self.left = n
+
+        def readable(self) -> bool:
+            return True
+
+        def readinto(self, buf) -> int:
+            n = min(len(buf), self.left)
+            buf[:n] = bytes(n)
+            self.left -= n
+            return n
+
+    with tarfile.open(src, mode="r:gz") as tar:
+        members = {m.name: tar.extractfile(m).read() for m in tar.getmembers()}
+    manifest = json.loads(members["evidence/manifest.json"])
+    sha = hashlib.sha256()
+    chunk = bytes(2**20)
+    for _ in range(size // len(chunk)):
+        sha.update(chunk)
+    sha.update(bytes(size % len(chunk)))
+    manifest["members"][name] = {"sha256": sha.hexdigest(), "size": size if listed_size is None else listed_size}
+    members["evidence/manifest.json"] = (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode()
+    with tarfile.open(dst, mode="w:gz", compresslevel=1) as tar:
+        for member in sorted([*members, name]):
+            info = tarfile.TarInfo(member)
+            if member == name:
+                info.size = size
+                tar.addfile(info, io.BufferedReader(Zeros(size)))
+            else:
+                info.size = len(members[member])
+                tar.addfile(info, io.BytesIO(members[member]))
+
+
+def _verify_with_peak_rss(repo: Path, bundle: Path) -> tuple[int, str, int]:
+    """`prefpipe verify BUNDLE` in its own process: (rc, output, its peak RSS in bytes, from getrusage)."""
+    script = ("import resource, sys\nfrom prefpipe.cli import main\ntry:\n    rc = main(['verify', sys.argv[1]])\n"
+              "except SystemExit as e:\n    rc = e.code\nsys.stdout.flush()\n"
+              "print('PEAK_RSS_KB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n"
+              "sys.exit(rc)\n")
+    out = run(repo, sys.executable, "-c", script, str(bundle))
+    peak = int(next(line.split()[1] for line in out.stderr.splitlines() if line.startswith("PEAK_RSS_KB")))
+    return out.returncode, out.stdout + out.stderr, peak * 1024
+
+
+def test_a_bundle_with_an_extra_huge_member_differs_naming_it_and_is_streamed(workspace, tmp_path):
+    """Item 9: the real bundle with an extra 1.5 GB member of zeros (a few MB gzipped), the manifest recomputed:
+    `prefpipe verify` passed (rc 0) at 1.84 GB RSS. Now the member DIFFERS as one no stage writes, it is hashed as a
+    stream (peak RSS far below its size), and a member larger than the manifest says is not read past that size."""
+    repo = workspace
+    genuine = repo / "results/report/evidence.tar.gz"
+    rc, out, baseline = _verify_with_peak_rss(repo, genuine)
+    assert rc == 0 and "DIFFERS" not in out, out[-3000:]
+    size = 1_500_000_000
+    padded = tmp_path / "padded.tar.gz"
+    _bundle_with_extra_member(genuine, padded, "evidence/padding.bin", size)
+    assert padded.stat().st_size < 20 * 2**20
+    rc, out, peak = _verify_with_peak_rss(repo, padded)
+    assert rc == 1, out[-3000:]
+    differs = [line for line in out.splitlines() if line.startswith("DIFFERS")]
+    assert differs == ["DIFFERS  evidence/padding.bin: a member no stage writes (report packs params.yaml, "
+                       "environment.json, summary.md, probe_sources.json, the curves and the packed artifacts of "
+                       "the pipeline's layout)"], out[-3000:]
+    # read in 1 MB pieces: the peak is the genuine bundle's verify's, give or take, never the member's size
+    assert peak < baseline + 100 * 2**20 and peak < size / 3, (peak, baseline)
+    # The same member listed at 1 MB: refused once the bound is passed (the tar header already says more).
+    lying = tmp_path / "lying.tar.gz"
+    _bundle_with_extra_member(genuine, lying, "evidence/padding.bin", 64 * 2**20, listed_size=2**20)
+    rc, out, _ = _verify_with_peak_rss(repo, lying)
+    assert rc == 1
+    assert f"DIFFERS  evidence/padding.bin: {64 * 2**20} bytes in the bundle, the manifest says {2**20}: not read " \
+           "past the manifest's size" in out, out[-3000:]
+
