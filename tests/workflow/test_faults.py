@@ -578,3 +578,40 @@ def test_a_bundle_with_an_extra_huge_member_differs_naming_it_and_is_streamed(wo
     assert f"DIFFERS  evidence/padding.bin: {64 * 2**20} bytes in the bundle, the manifest says {2**20}: not read " \
            "past the manifest's size" in out, out[-3000:]
 
+
+def test_restoring_an_older_committed_run_reruns_nothing(workspace):
+    """Item 7: a committed run, a params change run and committed, then `git checkout HEAD~1 -- . && dvc checkout`:
+    status and verify said the workspace was right, yet `snakemake -n` planned reruns ("Params have changed"), from
+    the records of Snakemake's own last run. Now the start-up check, finding every stage as dvc.lock records it,
+    refreshes Snakemake's records of the restored stages: the dry run and the run do nothing, and the workspace
+    stays the older record."""
+    from pipeline_helpers import commit
+    repo = workspace
+    commit(repo, "the committed run")
+    params = (repo / "params.yaml").read_text()
+    gen = params.index("\ngeneration:")
+    seed_at = params.index("  seed: ", gen)
+    line_end = params.index("\n", seed_at)
+    (repo / "params.yaml").write_text(params[:seed_at] + "  seed: 12345" + params[line_end:])
+    second = run(repo, "snakemake", "--cores", "2")
+    assert second.returncode == 0, second.stderr[-4000:]
+    assert (repo / "dvc.lock").read_text() != (REPO_ROOT / "dvc.lock").read_text()
+    commit(repo, "generation.seed 12345, run")
+    sh("git", "checkout", "HEAD~1", "--", ".", cwd=repo)
+    sh("dvc", "checkout", cwd=repo)
+    status = prefpipe_status(repo)
+    assert status.returncode == 0 and "up to date" in status.stdout.splitlines()[-1], status.stdout
+    verify = run(repo, sys.executable, "-m", "prefpipe.cli", "verify", "results/report/evidence.tar.gz",
+                 "--workspace", ".")
+    assert verify.returncode == 0, verify.stdout[-3000:]
+    dry = run(repo, "snakemake", "-n", "--cores", "2")
+    assert dry.returncode == 0, dry.stderr[-3000:]
+    assert "Nothing to be done" in dry.stdout + dry.stderr, (dry.stdout + dry.stderr)[-3000:]
+    assert "Params have changed" not in dry.stdout + dry.stderr
+    assert "Snakemake's records refreshed" in dry.stderr, dry.stderr[-3000:]
+    done = run(repo, "snakemake", "--cores", "2")
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "Nothing to be done" in done.stdout + done.stderr, (done.stdout + done.stderr)[-3000:]
+    assert_is_the_record(repo)
+    sh("git", "reset", "-q", "--soft", "HEAD~1", cwd=repo)    # HEAD back to the record the other tests restore
+    assert sh("git", "status", "--porcelain", cwd=repo) == ""
