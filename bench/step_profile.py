@@ -35,6 +35,8 @@ def main(argv=None) -> None:
     ap.add_argument("--shared", default=str(REPO.parent / "shared"))
     ap.add_argument("--out", required=True)
     ap.add_argument("--pairs", type=int, default=512)
+    ap.add_argument("--probe-pairs", type=int, default=64,
+                    help="probe pairs (scored before and after training, outside the profiled steps)")
     ap.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(gpu_bench.SHAPES),
                     help="'tiny' = a CPU smoke test of this script")
     ap.add_argument("--variants", default="graphs,eager")
@@ -57,7 +59,7 @@ def main(argv=None) -> None:
     result = {"command": "python bench/step_profile.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     result["workload"] = gpu_bench.prepare_tokens(shared / "data/hh-rlhf/harmless-base-test.jsonl.gz", gpt2,
-                                                  args.pairs, 64, 1024, work)
+                                                  args.pairs, args.probe_pairs, 1024, work)
     model_dir, _ = gpu_bench.make_model(args.shape, gpt2, work)
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     common = {"train.gpus": 1 if cuda else 0, "train.epochs": 1, "train.global_batch_pairs": 8, "train.lr": 5e-7,

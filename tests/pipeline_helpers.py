@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from conftest import REPO_ROOT
+from stages.lib.declared_params import ACCESS_LOG_ENV
 
 # Where libraries keep first-run caches (matplotlib's font list, HF, Triton, DVC's site cache): dropped when a
 # command runs with its own `home`, so HOME decides them all. The e2e story runs with an empty HOME, as a stranger's
@@ -162,3 +163,57 @@ def _kill_when_running(proc: subprocess.Popen, pattern: str, after: float) -> No
         os.kill(_newest(proc, pattern) or pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+
+
+def finished_default_run(tmp_path_factory) -> Path:
+    """A folder holding `repo` (a fresh-clone copy of this checkout, run to its end with `snakemake --cores 2` as
+    README's first command runs it) and `home` (the empty HOME it ran with, holding the caches that run left), built
+    once per pytest session: the tests that need a finished run to break or extend (test_faults, the e2e story)
+    copy it (copy_finished_run) instead of running the whole default again each (minutes each on 2 cores).
+
+    Under pytest-xdist both workers share it: it lives beside their own temp folders (the session's), and a file
+    lock makes the second worker wait for the first one's build rather than run the default a second time beside
+    it. A failed build is remembered (its output) and raised again to every test that asks, not retried."""
+    import fcntl
+    import time
+    base = tmp_path_factory.getbasetemp()
+    # With xdist, getbasetemp() is this worker's folder inside the session's; without, it is the session's own
+    # (its parent is shared by every earlier session: a run built by older code must never be found there).
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "finished_default_run"
+    shared.mkdir(exist_ok=True)
+    with open(shared / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)          # held while building; the other worker waits here
+        done, failed = shared / ".built", shared / ".failed"
+        if failed.exists():
+            raise AssertionError(f"the shared default run failed to build (in another test):\n{failed.read_text()}")
+        if not done.exists():
+            repo = shared / "repo"
+            shutil.rmtree(repo, ignore_errors=True)
+            repo.mkdir()
+            t0 = time.monotonic()
+            # Every params key each stage reads is logged (outside the run's outputs): the e2e story holds each
+            # stage's declaration to them (assert_declarations_match_reads).
+            reads = shared / "params_reads.jsonl"
+            reads.unlink(missing_ok=True)
+            os.environ[ACCESS_LOG_ENV] = str(reads)
+            try:
+                copy_checkout(repo)
+                sh("snakemake", "--cores", "2", cwd=repo, home=shared / "home")
+            except AssertionError as e:
+                failed.write_text(str(e))
+                raise
+            finally:
+                os.environ.pop(ACCESS_LOG_ENV, None)
+            done.write_text(f"built in {time.monotonic() - t0:.0f} s\n")
+    return shared
+
+
+def copy_finished_run(tmp_path_factory, dst: Path) -> tuple[Path, Path]:
+    """This test's own copy of the session's finished default run (finished_default_run): (repo, home) under `dst`.
+    copytree keeps every file's mtime (Snakemake decides by them) and the links DVC may have made; the copy has new
+    inodes, so DVC's state db (keyed by inode, mtime and size) re-hashes each file once."""
+    shared = finished_default_run(tmp_path_factory)
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("repo", "home"):
+        shutil.copytree(shared / name, dst / name, symlinks=True)
+    return dst / "repo", dst / "home"

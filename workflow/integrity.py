@@ -17,6 +17,10 @@ its DAG (the Snakefile calls `RunGuard` at start-up, in Snakemake's main process
   and everything downstream of it rerun, and `snakemake --dry-run` lists them as forced, changing nothing.
   (Marking outputs older than their inputs does not work: Snakemake ignores a newer input whose checksum it
   recorded unchanged, and an output mtime of 0.)
+* a stage that matches dvc.lock completely but whose Snakemake records were written for another dvc.lock entry (an
+  older run restored by `git checkout OLD && dvc checkout`, or a stage `dvc repro` built) gets those records refreshed
+  (`snakemake --touch` of it alone: refresh_snakemake_records), so Snakemake's params/code/input triggers do not rerun
+  what dvc.lock vouches for (docs/INTEGRITY.md, "Restoring an older run").
 
 After a successful run, `workflow/sync_dvc.py --commit-lock --ran <rules>` records the jobs that ran (and only
 those) and refuses to record an output of any other stage that no longer matches dvc.lock (sync_dvc.py).
@@ -364,6 +368,122 @@ def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
             for stage in repo.index.stages if getattr(stage, "name", None) in names}
 
 
+# Which dvc.lock entry each stage's Snakemake records (.snakemake/metadata: the params, code, inputs and input checksums
+# its triggers compare) were written for: {stage: entry_digest}. Written by the onsuccess commit for the stages a run
+# recorded, and by RunGuard after it refreshes Snakemake's records (refresh_snakemake_records). A stage whose entry in
+# dvc.lock is not the one noted here has outputs Snakemake did not make in the run it remembers: `git checkout OLD &&
+# dvc checkout` restored another run (issue 34 item 7), or `dvc repro` built them.
+SNAKEMAKE_RECORDS = Path(".snakemake") / "prefpipe_lock_entries.json"
+# Snakemake-only rerun triggers (rule params named env_*, which DVC cannot hash): {stage: its value now, from the
+# run's params}. A stage whose Snakemake record holds another value is never refreshed: Snakemake reruns it, rightly.
+def _env_triggers(params: dict) -> dict[str, str]:
+    from stages.lib.environment import installed_fingerprint
+    return {"environment": installed_fingerprint(params["train"])}
+
+
+def entry_digest(entry) -> str:
+    import hashlib
+    import json
+    return hashlib.sha256(json.dumps(entry, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _noted_entries(root: Path) -> dict[str, str]:
+    import json
+    try:
+        noted = json.loads((root / SNAKEMAKE_RECORDS).read_text())
+    except (OSError, ValueError):
+        return {}
+    return noted if isinstance(noted, dict) else {}
+
+
+def note_snakemake_records(root: Path, recorded: dict, stages) -> None:
+    """Note that Snakemake's records of `stages`' outputs now describe their entries in `recorded` (dvc.lock)."""
+    import json
+    noted = _noted_entries(root)
+    noted.update({name: entry_digest(recorded[name]) for name in stages if name in recorded})
+    path = root / SNAKEMAKE_RECORDS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(noted, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _snakemake_params(root: Path, output: str) -> list | None:
+    """The params Snakemake recorded for `output` (.snakemake/metadata, its file backend), or None."""
+    import base64
+    import json
+    try:
+        record = json.loads((root / ".snakemake" / "metadata" / base64.urlsafe_b64encode(output.encode()).decode())
+                            .read_text())
+    except (OSError, ValueError):
+        return None
+    return record.get("params") if isinstance(record, dict) else None
+
+
+def refresh_snakemake_records(repo, root: Path, recorded: dict, matching: list[str], log) -> list[str]:
+    """Bring Snakemake's records of the stages dvc.lock vouches for (`matching`: every dep, param, command and out
+    as recorded) in line with that record, where they were written for another entry (SNAKEMAKE_RECORDS): after
+    `git checkout OLD && dvc checkout` the workspace is the older run, but Snakemake's records are of its own last
+    run, so its params/input/code triggers (and its mtime trigger: the restored files are newer than their
+    dependents, with other checksums recorded) would rerun what dvc.lock says is up to date. `snakemake --touch`
+    restricted to those stages (--allowed-rules) records the current params, code and inputs and orders their
+    mtimes, exactly as after `dvc repro` (sync_dvc.py --record-for-snakemake). Nothing else is vouched for: a stage
+    whose bytes, params or command differ is not matching (it is forced instead), and a stage whose Snakemake-only
+    trigger (env_*: the installed packages) recorded another value is left to Snakemake. Returns the stages
+    refreshed."""
+    import subprocess
+    noted = _noted_entries(root)
+    behind = [name for name in matching if noted.get(name) != entry_digest(recorded[name])]
+    if not behind:
+        return []
+    # And every matching stage downstream of those: touching an output makes it newer than what reads it, and a
+    # reader whose checksum of it Snakemake cannot compare (files over its checksum size) would rerun for that.
+    owner = {out.fs_path: stage.name for stage in repo.index.stages for out in stage.outs}
+    readers = {stage.name: {owner[dep.fs_path] for dep in stage.deps if getattr(dep, "fs_path", None) in owner}
+               for stage in repo.index.stages if getattr(stage, "name", None)}
+    grown = True
+    while grown:
+        more = [name for name in matching if name not in behind and readers.get(name, set()) & set(behind)]
+        behind += more
+        grown = bool(more)
+    outs = {stage.name: [os.path.relpath(out.fs_path, repo.root_dir) for out in stage.outs
+                         if not getattr(out, "persist", False)]          # persisted logs are no Snakemake outputs
+            for stage in repo.index.stages if getattr(stage, "name", None) in behind}
+    try:
+        params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+        env_now = _env_triggers(params)
+    except Exception as e:  # noqa: BLE001 -- no value to compare: such stages are left to Snakemake's trigger
+        log(f"integrity: the installed-packages trigger could not be computed ({type(e).__name__}: {e})")
+        env_now = None
+    refresh = []
+    for name in behind:
+        if env_now is None and name == "environment":
+            continue
+        if env_now is not None and name in env_now:
+            recorded_params = _snakemake_params(root, outs[name][0]) if outs[name] else None
+            if recorded_params is None or repr(env_now[name]) not in recorded_params:
+                continue                 # the packages changed since Snakemake recorded it: Snakemake reruns it
+        if outs[name]:
+            refresh.append(name)
+    if not refresh:
+        return []
+    targets = [path for name in refresh for path in outs[name]]
+    env = {**os.environ, INSIDE_DVC: "1"}             # no guard, lock or commit in the bookkeeping run
+    env.pop(HELD_LOCK, None)
+    done = subprocess.run([sys.executable, "-m", "snakemake", "--touch", "--cores", "1", "--quiet", "all",
+                           "--allowed-rules", *refresh, "--", *targets], cwd=root, env=env,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode != 0:
+        tail = " ".join(done.stderr.split())[-400:]
+        log(f"integrity: Snakemake's records of {', '.join(refresh)} could not be refreshed (snakemake --touch "
+            f"failed: {tail}); Snakemake may rerun them")
+        return []
+    note_snakemake_records(root, recorded, refresh)
+    log(f"integrity: {', '.join(refresh)}: the workspace is dvc.lock's record, not the run Snakemake remembers "
+        "(restored, e.g. by `git checkout` and `dvc checkout`): Snakemake's records refreshed, nothing reruns for it")
+    return refresh
+
+
 def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
     """Every dvc.yaml stage, upstream first, with its state by hash (what a Snakemake run would do about it):
     ("up to date", []), ("must rerun", reasons: recorded bytes, params or command changed), ("outputs missing",
@@ -472,10 +592,15 @@ class RunGuard:
         self.stale: dict[str, list[str]] = {}
         needed = None
         try:
+            matching: list[str] = []
             if repo is not None and recorded:
-                changes = {name: ch for name, ch in stage_changes(repo, recorded).items() if content_changed(ch)}
+                every = stage_changes(repo, recorded)
+                changes = {name: ch for name, ch in every.items() if content_changed(ch)}
                 self.stale = {name: describe(ch) for name, ch in changes.items()}
-                for name, paths in unrecorded_outputs(repo, recorded).items():
+                unrecorded = unrecorded_outputs(repo, recorded)
+                matching = [stage.name for stage in repo.index.stages if getattr(stage, "name", None) in recorded
+                            and stage.name not in every and stage.name not in unrecorded]
+                for name, paths in unrecorded.items():
                     self.stale[name] = [f"{LOCKFILE} has no entry for it, yet its outputs exist "
                                         f"({', '.join(paths[:3])}{', ...' if len(paths) > 3 else ''}): outputs "
                                         "nobody recorded are no evidence, so they are rebuilt"]
@@ -484,10 +609,17 @@ class RunGuard:
             self.release()
             raise
         self.rerun_incomplete = False
+        self.refreshed: list[str] = []
         if repo is not None:
             for name, paths in self._recover_killed_run(repo).items():
                 self.stale.setdefault(name, []).append(
                     f"a killed run left {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''} incomplete")
+            if matching and not self.rerun_incomplete:
+                try:
+                    self.refreshed = refresh_snakemake_records(repo, root, recorded, matching, self._log)
+                except BaseException:
+                    self.release()
+                    raise
         self.forced = sorted(name for name in self.stale if needed is None or name in needed)
         for name, reasons in self.stale.items():
             # The process started again by rerun_forcing said all this already (only something new is news).

@@ -176,7 +176,8 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
     Before DVC's own (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db
     then answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the GIL;
     dvc-data hashes in threads only inside a directory of several large files, and a model directory has one)."""
-    from integrity import changed_paths, drop_corrupt_objects, dvc_session, read_lockfile, stage_changes
+    from integrity import (changed_paths, drop_corrupt_objects, dvc_session, note_snakemake_records, read_lockfile,
+                           stage_changes)
 
     ran = list(dict.fromkeys(ran or []))
     recorded = read_lockfile(root)            # an empty or unparsable dvc.lock is refused, not overwritten blindly
@@ -221,6 +222,9 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
             stage.commit(relink=True)
         if built:
             _dump_lock_atomically(repo, root, built)
+            # Snakemake's records of what ran (written by this run) now describe these entries (RunGuard's
+            # refresh_snakemake_records reads this note).
+            note_snakemake_records(root, read_lockfile(root), ran)
     outside = {name: paths for name, paths in changed.items() if dag is not None and name not in dag}
     if outside:
         names = sorted(outside)

@@ -27,11 +27,13 @@ from __future__ import annotations
 import copy
 import csv
 import gzip
+import hashlib
 import io
 import json
 import os
 import re
 import tarfile
+import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -399,20 +401,90 @@ def deterministic_targz(members: dict[str, bytes]) -> bytes:
     return out.getvalue()
 
 
-def read_bundle(path: str | os.PathLike) -> dict[str, bytes]:
-    """Every member of an evidence tar.gz, by name; refuses links, directories and names outside evidence/."""
-    members: dict[str, bytes] = {}
-    try:
-        with tarfile.open(path, mode="r:gz") as tar:
-            for info in tar.getmembers():
-                name = info.name
-                if not info.isreg():
-                    raise EvidenceError(f"{path}: member {name} is not a regular file")
-                if not name.startswith(MEMBER_PREFIX) or ".." in PurePosixPath(name).parts:
-                    raise EvidenceError(f"{path}: member {name} is outside {MEMBER_PREFIX}")
-                if name in members:
-                    raise EvidenceError(f"{path}: member {name} appears twice")
-                members[name] = tar.extractfile(info).read()
-    except (tarfile.TarError, OSError, EOFError) as e:
-        raise EvidenceError(f"{path}: not a readable evidence bundle: {e}") from None
-    return members
+# The manifest is read before any other member is hashed (it holds every member's size, the bound each is read to);
+# report writes a few hundred KB of it, so a "manifest" past this is refused unread.
+MANIFEST_LIMIT = 64 * 2**20
+CHUNK = 2**20
+
+
+class BundleScan:
+    """A bundle read as a stream (BundleScan.read): `kept` {name: bytes} of the members the caller keeps (those a stage
+    writes), `digests` {name: (sha256, size)} of every member hashed, `names` every member's name, in order, and
+    `refused` {name: why} for members not read or read only up to their bound."""
+
+    def __init__(self) -> None:
+        self.kept: dict[str, bytes] = {}
+        self.digests: dict[str, tuple[str, int]] = {}
+        self.names: list[str] = []
+        self.refused: dict[str, str] = {}
+
+    @classmethod
+    def read(cls, path: str | os.PathLike, manifest_name: str, keep) -> "BundleScan":
+        """Two streaming passes over the tar.gz, holding no member but those `keep(name)` says and the manifest:
+        the first reads the manifest (at most MANIFEST_LIMIT bytes), the second hashes every member the manifest
+        lists in CHUNK-sized reads, each only up to the size the manifest gives it: a member whose header says more
+        is not read at all, one that yields more than that (a header that lies cannot, tarfile reads by it) stops
+        there. A member the manifest does not list is not read (it DIFFERS whatever it holds). Links, directories,
+        names outside evidence/ and a name twice are refused (EvidenceError), as before any check."""
+        scan = cls()
+        try:
+            raw = cls._manifest(path, manifest_name)
+            if raw is not None:
+                scan.kept[manifest_name] = raw
+            try:
+                manifest = json.loads(raw) if raw is not None else {}
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                manifest = {}                    # the checks say so, from the kept bytes
+            listed = manifest.get("members") if isinstance(manifest, dict) else None
+            listed = listed if isinstance(listed, dict) else {}
+            with tarfile.open(path, mode="r|gz") as tar:     # a stream: nothing before the current member is kept
+                for info in tar:
+                    name = info.name
+                    if not info.isreg():
+                        raise EvidenceError(f"{path}: member {name} is not a regular file")
+                    if not name.startswith(MEMBER_PREFIX) or ".." in PurePosixPath(name).parts:
+                        raise EvidenceError(f"{path}: member {name} is outside {MEMBER_PREFIX}")
+                    if name in scan.names:
+                        raise EvidenceError(f"{path}: member {name} appears twice")
+                    scan.names.append(name)
+                    if name == manifest_name:
+                        continue
+                    entry = listed.get(name)
+                    bound = entry.get("size") if isinstance(entry, dict) else None
+                    if not isinstance(bound, int) or isinstance(bound, bool) or bound < 0:
+                        continue                 # not listed (or no size): reported by the member check, unread
+                    if info.size > bound:
+                        scan.refused[name] = (f"{info.size} bytes in the bundle, the manifest says {bound}: "
+                                              "not read past the manifest's size")
+                        continue
+                    scan._hash(tar.extractfile(info), name, bound, keep(name))
+        except (tarfile.TarError, OSError, EOFError, zlib.error) as e:
+            raise EvidenceError(f"{path}: not a readable evidence bundle: {e}") from None
+        return scan
+
+    @staticmethod
+    def _manifest(path, manifest_name: str) -> bytes | None:
+        """The manifest member's bytes (None when the bundle has none)."""
+        with tarfile.open(path, mode="r|gz") as tar:
+            for info in tar:
+                if info.name == manifest_name and info.isreg():
+                    if info.size > MANIFEST_LIMIT:
+                        raise EvidenceError(f"{path}: member {manifest_name} is {info.size} bytes, more than a "
+                                            f"manifest can be ({MANIFEST_LIMIT}): not a bundle report wrote")
+                    return tar.extractfile(info).read()
+        return None
+
+    def _hash(self, f, name: str, bound: int, keep: bool) -> None:
+        h, size, parts = hashlib.sha256(), 0, []
+        while chunk := f.read(min(CHUNK, bound - size + 1)):
+            size += len(chunk)
+            if size > bound:
+                self.refused[name] = f"more than the manifest's {bound} bytes: not read past them"
+                return
+            h.update(chunk)
+            if keep:
+                parts.append(chunk)
+        self.digests[name] = (h.hexdigest(), size)
+        if keep:
+            self.kept[name] = b"".join(parts)
+

@@ -27,7 +27,7 @@ from typing import Any
 
 from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
-                                 portable_path, read_bundle, read_train_log, render_curves_png, render_summary)
+                                 portable_path, BundleScan, read_train_log, render_curves_png, render_summary)
 from stages.lib.evidence_generation import check_generation, generation_members
 from stages.lib.evidence_records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
                                          record_problems)
@@ -64,11 +64,29 @@ class Verdicts:
         return [f"{status:<8} {what}" + (f": {detail}" if detail else "") for status, what, detail in self.rows]
 
 
-class _Bundle:
-    """The bundle's members, its manifest and its params, with the lookups the checks share."""
+# Every file report writes into a bundle beside the packed artifacts and curves (stages/report.py build_bundle).
+FIXED_MEMBERS = {MANIFEST, PARAMS, ENVIRONMENT, SUMMARY, f"{BUNDLE_ROOT}/{PROBE_SOURCES}"}
+LAYOUT_FILES = {path for outputs in STAGE_OUTPUTS.values() for path in outputs.values()}
 
-    def __init__(self, members: dict[str, bytes], manifest: dict, params: dict) -> None:
+
+def _may_be_written(name: str) -> bool:
+    """Whether report can write a member of this name under some params: the fixed members, a curve of a trained
+    model, an output of a pipeline stage packed under artifacts/. Only such members are held in memory for the
+    checks; any other is hashed as a stream and DIFFERS (_check_origin)."""
+    if name in FIXED_MEMBERS:
+        return True
+    if name.startswith(f"{BUNDLE_ROOT}/curves/"):
+        return name[len(f"{BUNDLE_ROOT}/curves/"):] in {curve_name(label) for label in TRAINED}
+    return name.startswith(f"{BUNDLE_ROOT}/artifacts/") and name[len(f"{BUNDLE_ROOT}/artifacts/"):] in LAYOUT_FILES
+
+
+class _Bundle:
+    """The bundle's members, its manifest and its params, with the lookups the checks share. `members` holds the
+    members report writes (BundleScan's kept), `names` every member's name."""
+
+    def __init__(self, members: dict[str, bytes], manifest: dict, params: dict, names: list[str] | None = None) -> None:
         self.members, self.manifest, self.params = members, manifest, params
+        self.names = list(names if names is not None else members)
         self.artifacts = {e["path"]: e for e in manifest.get("artifacts") or [] if isinstance(e, dict) and "path" in e}
         self.packed_paths = sorted(p for p, e in self.artifacts.items() if e.get("packed"))
         # Derived from the packed paths, never read from the manifest: a forger cannot skip a recomputation.
@@ -123,16 +141,19 @@ class _Workspace:
 def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None = None) -> Verdicts:
     """Every check above, in order; a bundle whose manifest or params cannot be read stops after saying so."""
     v = Verdicts()
-    members = read_bundle(bundle)
+    # Streamed (BundleScan): members report cannot have written are hashed, never held; none is read past the size
+    # the manifest gives it, so a bundle padded with a huge member costs its decompression, not its size in memory.
+    scan = BundleScan.read(bundle, MANIFEST, _may_be_written)
+    members = scan.kept
     if MANIFEST not in members:
         v.add(False, MANIFEST, "missing")
         return v
     try:
         manifest = json.loads(members[MANIFEST])
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         v.add(False, MANIFEST, f"not JSON: {e}")
         return v
-    if not _guarded(v, bundle, _check_members, members, manifest):
+    if not _guarded(v, bundle, _check_members, scan, manifest):
         return v
     if manifest.get("format") != FORMAT:
         v.add(False, MANIFEST, f"format {manifest.get('format')!r}: this verify checks {FORMAT} bundles "
@@ -141,9 +162,9 @@ def verify_bundle(bundle: str | os.PathLike, workspace: str | os.PathLike | None
     params = _bundle_params(v, members.get(PARAMS))
     if params is None:
         return v
-    b = _Bundle(members, manifest, params)
+    b = _Bundle(members, manifest, params, scan.names)
     ws = _Workspace(workspace) if workspace is not None else None
-    for check, args in ((_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
+    for check, args in ((_check_origin, ()), (_check_layout, ()), (_check_artifacts, (ws,)), (_check_params, (ws,)),
                         (_check_sources, (ws,)), (_check_records, (ws,)), (_check_evaluation, ()),
                         (check_generation, ()), (_check_derived, ()), (_check_environment, ())):
         _guarded(v, bundle, check, b, *args)
@@ -160,21 +181,40 @@ def _guarded(v: Verdicts, bundle, check, *args) -> bool:
         return False
 
 
-def _check_members(v: Verdicts, members: dict[str, bytes], manifest: dict) -> None:
-    """Every member listed with its sha256, nothing extra."""
+def _check_members(v: Verdicts, scan: BundleScan, manifest: dict) -> None:
+    """Every member listed with its sha256 and size, nothing extra (hashed as the bundle was streamed)."""
     listed = manifest.get("members", {})
-    for name in sorted(set(listed) | set(members) - {MANIFEST}):
-        if name not in members:
+    present = set(scan.names)
+    for name in sorted(set(listed) | present - {MANIFEST}):
+        if name not in present:
             v.add(False, name, "listed in the manifest, missing from the bundle")
         elif name not in listed:
             v.add(False, name, "in the bundle, not listed in the manifest")
+        elif name in scan.refused:
+            v.add(False, name, scan.refused[name])
         else:
-            got = sha256_bytes(members[name])
-            v.add(got == listed[name]["sha256"] and len(members[name]) == listed[name]["size"], name,
-                  f"sha256 {got[:16]}…" if got == listed[name]["sha256"] else
-                  f"sha256 {got} != manifest {listed[name]['sha256']}")
-    v.add(sha256_bytes(members.get(PARAMS, b"")) == manifest.get("params_sha256"), PARAMS,
+            got, size = scan.digests[name]
+            want = listed[name]["sha256"]
+            v.add(got == want and size == listed[name]["size"], name,
+                  f"sha256 {got[:16]}…" if got == want else f"sha256 {got} != manifest {want}")
+    params = scan.kept.get(PARAMS, b"") if PARAMS not in scan.refused else None
+    v.add(params is not None and sha256_bytes(params) == manifest.get("params_sha256"), PARAMS,
           "params_sha256 of the manifest")
+
+
+def _check_origin(v: Verdicts, b: _Bundle) -> None:
+    """Every member is one report writes under these params: the fixed members, the curves of the trained models,
+    and the packed artifacts of the pipeline's layout. A member a forger added and listed in a recomputed manifest
+    hashes right, so only this names it."""
+    packed = set(b.packed_paths) & set(bundle_artifacts(b.params))
+    curves = {f"{BUNDLE_ROOT}/curves/{curve_name(label)}" for label in TRAINED}
+    written = FIXED_MEMBERS | curves | {f"{BUNDLE_ROOT}/artifacts/{rel}" for rel in packed}
+    foreign = [name for name in b.names if name not in written]
+    for name in foreign:
+        v.add(False, name, "a member no stage writes (report packs params.yaml, environment.json, summary.md, "
+              f"{PROBE_SOURCES}, the curves and the packed artifacts of the pipeline's layout)")
+    if not foreign:
+        v.add(True, "bundle members", f"each of the {len(b.names)} is one report writes")
 
 
 def _bundle_params(v: Verdicts, data: bytes | None) -> dict | None:
@@ -213,7 +253,7 @@ def _check_layout(v: Verdicts, b: _Bundle) -> None:
 
     expected = {curve_name(label): {"label": label, "train_log": STAGE_OUTPUTS[stage]["plots_train_log"]}
                 for label, stage in TRAINED.items()}
-    drawn = {name[len(f"{BUNDLE_ROOT}/curves/"):] for name in b.members if name.startswith(f"{BUNDLE_ROOT}/curves/")}
+    drawn = {name[len(f"{BUNDLE_ROOT}/curves/"):] for name in b.names if name.startswith(f"{BUNDLE_ROOT}/curves/")}
     declared = b.manifest.get("curves") or {}
     diffs = [f"curves.{n}: manifest {declared.get(n)!r}, the pipeline draws {expected.get(n)!r}"
              for n in sorted(set(declared) | set(expected)) if declared.get(n) != expected.get(n)]

@@ -53,10 +53,13 @@ def test_trl_anchor_patch_changes_only_the_workload(tmp_path):
 @pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")
 def test_step_profile_profiles_the_real_stage_on_cpu(tmp_path):
     """bench/step_profile.py drives the train_dpo stage with PREFPIPE_PROFILE: the first-step and steady
-    windows come back as tables and a summary, and the run itself completes (tiny shape, CPU)."""
+    windows come back as tables and a summary, and the run itself completes (tiny shape, CPU). 32 pairs are the 4
+    optimizer steps the two windows need (step 0; steps 2..3); 8 probe pairs, scored outside the windows, keep the
+    probe passes (before and after training, and the reference pass) from being most of the test's time."""
     import step_profile
     out = tmp_path / "results" / "profile.json"
-    step_profile.main(["--shared", str(SHARED_DATA.parent), "--out", str(out), "--shape", "tiny", "--pairs", "40",
+    step_profile.main(["--shared", str(SHARED_DATA.parent), "--out", str(out), "--shape", "tiny", "--pairs", "32",
+                       "--probe-pairs", "8",
                        "--variants", "eager", "--profile-start", "2", "--profile-steps", "2",
                        "--work", str(tmp_path / "work")])
     result = json.loads(out.read_text())

@@ -379,9 +379,12 @@ def test_verify_accepts_a_genuine_bundle_and_names_every_tampered_file(tmp_path)
 
     metrics = "evidence/artifacts/metrics/dpo.json"
     cases = {
-        # bytes changed, manifest left alone: the member's hash names it
-        "member": (lambda m: m.__setitem__(metrics, m[metrics].replace(b'"n_pairs"', b'"n_pairs" ')), False,
+        # bytes changed in place (same size), manifest left alone: the member's hash names it
+        "member": (lambda m: m.__setitem__(metrics, m[metrics].replace(b'"n_pairs"', b'"n_pairZ"')), False,
                    "DIFFERS  evidence/artifacts/metrics/dpo.json: sha256"),
+        # a byte added, manifest left alone: the member is not read past the size the manifest gives it
+        "grown": (lambda m: m.__setitem__(metrics, m[metrics].replace(b'"n_pairs"', b'"n_pairs" ')), False,
+                  "bytes in the bundle, the manifest says"),
         "missing": (lambda m: m.pop("evidence/summary.md"), False,
                     "DIFFERS  evidence/summary.md: listed in the manifest, missing from the bundle"),
         "extra": (lambda m: m.__setitem__("evidence/extra.txt", b"x"), False,

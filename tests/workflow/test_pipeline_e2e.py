@@ -14,21 +14,19 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from stages.lib.declared_params import ACCESS_LOG_ENV
-from pipeline_helpers import (assert_declarations_match_reads, commit, copy_checkout, dvc_changed_stages, lock_outs,
-                              sh)
+from pipeline_helpers import (assert_declarations_match_reads, commit, copy_finished_run, dvc_changed_stages,
+                              finished_default_run, lock_outs, sh)
 
 pytestmark = pytest.mark.slow
 
 
-def test_snakemake_and_dvc_run_one_dag(tmp_path, monkeypatch):
-    repo = copy_checkout(tmp_path / "repo")
-    home = tmp_path / "home"       # empty: no matplotlib font cache, no HF cache, nothing from an earlier run
-    # The stages log every params key they read (outside every tracked output): each declaration is held to them.
-    monkeypatch.setenv(ACCESS_LOG_ENV, str(tmp_path / "params_reads.jsonl"))
-    sh("snakemake", "--cores", "2", cwd=repo, home=home)
-    monkeypatch.delenv(ACCESS_LOG_ENV)
-    assert_declarations_match_reads(tmp_path / "params_reads.jsonl",
+def test_snakemake_and_dvc_run_one_dag(tmp_path, tmp_path_factory):
+    # A fresh-clone copy run with `snakemake --cores 2` and an empty HOME (no matplotlib font cache, no HF cache,
+    # nothing from an earlier run): the session builds that once (finished_default_run, shared with test_faults);
+    # this test gets its own copy, with the HOME that run left.
+    repo, home = copy_finished_run(tmp_path_factory, tmp_path)
+    # Each stage read only the params keys it declares, and needed each one (the shared run logged every read).
+    assert_declarations_match_reads(finished_default_run(tmp_path_factory) / "params_reads.jsonl",
                                     set(yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]))
     # Golden: a clean checkout, run as README's first command runs it, gives exactly the committed record.
     # Every artifact of the CPU default is portable (docs/ARTIFACTS.md), so this holds on any x86-64 CPU
