@@ -17,8 +17,8 @@
 
     python -m stages.report verify results/report/evidence.tar.gz [--workspace DIR] [--require-same-environment]
 
-The bundle's format (members, hashes, the derived members and how they are made) is stages/lib/evidence.py;
-`verify` is stages/lib/evidence_verify.py. `--artifacts` are hashed only (weights, optimizer state and data
+The bundle's format (members, hashes, the derived members and how they are made) is stages/evidence/bundle.py;
+`verify` is stages/evidence/verify.py. `--artifacts` are hashed only (weights, optimizer state and data
 never enter the bundle); the data sources normalize read (`--normalize-stats` names them) are pinned in the
 manifest by their hashes.
 
@@ -26,7 +26,7 @@ Deterministic: members sorted, mtime 0, uid/gid 0, empty owner names, mode 0644,
 file name in the gzip header, PNGs rendered by Agg with no metadata. Before anything is written,
 every member is scanned for this machine's hostname, the absolute working directory, $HOME and common
 credential patterns; a hit refuses the bundle (naming the member and what leaked). Absolute paths in
-params.yaml are written portably (stages.lib.evidence.portable_path).
+params.yaml are written portably (stages.evidence.bundle.portable_path).
 `verify` is for a reviewer holding someone else's bundle: it re-hashes every member and packed artifact,
 requires every artifact the pipeline produces (stages/lib/layout.py) in the manifest, recomputes the derived
 members (summary.md, the curve PNGs, environment.json, the evaluation map) and the metrics and bootstrap bounds
@@ -44,11 +44,11 @@ import socket
 from pathlib import Path, PurePosixPath
 
 from stages.lib.cli import stage_main
-from stages.lib.evidence import (BUNDLE_ROOT, FORMAT, EvidenceError, build_environment, curve_name,
+from stages.evidence.bundle import (BUNDLE_ROOT, FORMAT, EvidenceError, build_environment, curve_name,
                                  deterministic_targz, dvc_hash, dvc_hashes, evaluation_map, json_bytes,
                                  metrics_label, portable_params_text, portable_path, read_train_log,
                                  render_curves_png, render_summary)
-from stages.lib.evidence_records import PROBE_SOURCES, RECORDS, bundle_records, portable_record, probe_sources_record
+from stages.evidence.records import PROBE_SOURCES, RECORDS, bundle_records, portable_record, probe_sources_record
 from stages.lib.io import atomic_path, data_location, sha256_bytes, write_text
 from stages.lib.layout import STAGE_OUTPUTS
 
@@ -182,7 +182,7 @@ def build_bundle(params_path: str, artifacts: list[str], metrics: list[str], per
             packed[rel] = role
     hashed_only = {relative_artifact_path(p): "artifact" for p in artifacts}
     hashed_only.update({relative_artifact_path(p): "run_info" for p in run_infos.values()})
-    # The run's small JSON records are packed whole (stages/lib/evidence_records.py), not only hashed.
+    # The run's small JSON records are packed whole (stages/evidence/records.py), not only hashed.
     for rel in [rel for rel in hashed_only if rel in RECORDS]:
         del hashed_only[rel]
         packed[rel] = RECORDS[rel]
@@ -294,8 +294,8 @@ def _probe_sources(artifacts: list[str], probe_manifests: list[str], cwd) -> dic
 
 
 def _generation(packed: dict[str, str], cwd) -> dict | None:
-    """The packed judge outputs as the summary's generation section reads them (evidence_generation.py)."""
-    from stages.lib.evidence_generation import generation_members
+    """The packed judge outputs as the summary's generation section reads them (stages/evidence/generation.py)."""
+    from stages.evidence.generation import generation_members
     mine = {rel for rel, role in packed.items() if role == "generation_eval"}
     return generation_members(lambda rel: json.loads(_read(rel, cwd)) if rel in mine else None,
                               lambda rel: _read(rel, cwd).decode("utf-8") if rel in mine else None)
@@ -310,7 +310,7 @@ def _read(p: str, cwd) -> bytes:
 
 
 # --------------------------------------------------------------------------------------------------
-# Verify: a stranger checks someone else's bundle (the checks: stages/lib/evidence_verify.py)
+# Verify: a stranger checks someone else's bundle (the checks: stages/evidence/verify.py)
 # --------------------------------------------------------------------------------------------------
 
 def _verify_arguments(ap) -> None:
@@ -335,7 +335,7 @@ def verify_main(argv: list[str] | None, prog: str = "python -m stages.report ver
 
 def _verify(args) -> int:
     """A verdict, not a refusal: a bundle that cannot be read is a DIFFERS line on stdout, exit 1."""
-    from stages.lib.evidence_verify import verify_bundle
+    from stages.evidence.verify import verify_bundle
     try:
         verdicts = verify_bundle(args.bundle, args.workspace)
     except EvidenceError as e:

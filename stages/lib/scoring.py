@@ -545,7 +545,7 @@ def grader_metrics(rows: list[dict], a: dict[str, np.ndarray], spec: dict, idx: 
 
 
 def evidence_warnings(rows: list[dict], metrics: dict, gen: dict) -> list[str]:
-    """Why the win rate is not evidence, as codes (stages/lib/evidence_generation.py says each in words):
+    """Why the win rate is not evidence, as codes (stages/evidence/generation.py says each in words):
     judge_trained_on_same_pairs, all_hit_max_new_tokens, length_mismatch, judge_disagrees_with_grader."""
     out = []
     if gen.get("judge") == "trained":

@@ -2,7 +2,7 @@
 
 The engine checks the plan before any weight is loaded (stages/engine/guards.py: a run where no step would train
 is refused there, naming the counts); what is only doubtful is a warning, written to the stage log and, from the
-train log the run wrote, into the report's summary (stages/lib/evidence.py render_summary), so `report verify`
+train log the run wrote, into the report's summary (stages/evidence/bundle.py render_summary), so `report verify`
 remakes it from the bundle.
 """
 from __future__ import annotations

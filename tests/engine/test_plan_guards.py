@@ -14,7 +14,7 @@ from stages.engine.guards import check_plan
 from stages.engine.optim import LRSchedule
 from stages.engine.packing import plan_training, planned_steps
 from stages.engine.settings import TrainConfigError
-from stages.lib.evidence import render_summary
+from stages.evidence.bundle import render_summary
 from stages.lib.training_plan import MIN_OPTIMIZER_STEPS
 
 from conftest import REPO_ROOT as REPO

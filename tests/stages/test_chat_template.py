@@ -64,7 +64,7 @@ def run_tokenize(tmp_path: Path, identity: Path, split, **tokenize) -> tuple[sub
 
 def test_a_tokenizer_without_a_template_is_a_warning_in_the_log_the_report_and_the_summary(
         gpt2_tokenizer_dir, hh_split, tmp_path):
-    from stages.lib.evidence import render_summary
+    from stages.evidence.bundle import render_summary
 
     identity = pinned_gpt2_identity(gpt2_tokenizer_dir, tmp_path)
     for setting in (None, "tokenizer"):             # absent (the default) and asked for by name: the same

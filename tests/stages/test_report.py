@@ -20,7 +20,7 @@ import pytest
 import yaml
 
 from stages import report as rp
-from stages.lib import evidence as ev
+from stages.evidence import bundle as ev
 from stages.lib.stage_plan import bundle_artifacts
 from synthetic_probe import write_all, write_sources
 
@@ -470,7 +470,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
     """Each forgery's manifest is re-hashed as a forger would, so every hash matches: only remaking the derived
     members, holding the manifest to the pipeline's layout and params.yaml to the runs catches them. They are caught
     from the bundle alone (no --workspace): a reviewer needs nothing else."""
-    from stages.lib.evidence_verify import verify_bundle
+    from stages.evidence.verify import verify_bundle
 
     repo, bundle = _genuine(tmp_path)
     for workspace in (True, False):
@@ -789,7 +789,7 @@ def test_verify_holds_the_run_records_to_one_another_and_the_workspace(tmp_path)
     """A careful forger's edit of a record (every hash recomputed) contradicts the other records, the probe
     manifests or params: DIFFERS naming the record; with --workspace, probe_sources.json is remade from the probe
     pairs. Before: the records were not in the bundle, so nothing held them to anything."""
-    from stages.lib.evidence_verify import verify_bundle
+    from stages.evidence.verify import verify_bundle
     repo, bundle = _genuine(tmp_path)
     rc, out = _verify(repo, bundle)
     assert rc == 0, out

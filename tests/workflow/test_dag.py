@@ -233,6 +233,12 @@ def test_layers_lib_and_engine_never_import_a_stage_and_stages_import_no_other_s
                 bad.append(f"{rel} imports {name}")
             if rel.startswith("stages/engine/") and name.startswith("stages.data"):
                 bad.append(f"{rel} imports {name}")
+            # The evidence package (only the report stage's) reads lib only; nothing below a stage reads it.
+            if rel.startswith("stages/evidence/") and name.startswith("stages.") and not name.startswith(
+                    ("stages.lib", "stages.evidence")):
+                bad.append(f"{rel} imports {name}")
+            if rel.startswith(("stages/lib/", "stages/data/", "stages/engine/")) and name.startswith("stages.evidence"):
+                bad.append(f"{rel} imports {name}")
     # The console command (prefpipe/) sits above stages/ and workflow/; nothing below imports it, and stages/ never
     # imports workflow/'s modules (the Snakefile puts workflow/ on sys.path; a stage must not depend on that).
     workflow_modules = {p.stem for p in (REPO_ROOT / "workflow").glob("*.py")}
@@ -383,3 +389,32 @@ def test_a_scratch_stage_costs_four_hand_written_files(tmp_path):
     stage = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["scratch"]
     assert stage["params"] == ["probe.size"] and "stages/scratch.py" in stage["deps"]
     assert "| scratch | `results/scratch/table.json` | A throwaway stage" in (root / "README.md").read_text()
+
+
+def test_no_import_circle_anywhere():
+    """Issue 35: no module of stages/, workflow/ or prefpipe/ reaches itself through imports (lazy ones inside
+    functions count: they run too). The one there was, evidence -> evidence_generation -> evidence_verify ->
+    evidence through a private helper, is gone (stages/evidence/compare.py)."""
+    files = {}
+    for top in ("stages", "prefpipe"):
+        for path in (REPO_ROOT / top).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
+            files[name] = path
+    for path in (REPO_ROOT / "workflow").glob("*.py"):
+        files[path.stem] = path                      # the Snakefile puts workflow/ on sys.path: imported by stem
+    graph = {name: {m for m in _imported_names(path) if m in files and m != name} for name, path in files.items()}
+    circles, state = [], {}
+
+    def visit(node, trail):
+        state[node] = "open"
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == "open":
+                circles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
+            elif nxt not in state:
+                visit(nxt, trail + [nxt])
+        state[node] = "done"
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, circles

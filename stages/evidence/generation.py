@@ -6,7 +6,7 @@ win-rate table, the length view and three probe prompts with both completions si
 display), remade by verify like the rest of the summary; `check_generation` reruns
 stages/lib/scoring.py evaluate_generation (the win-rate bootstrap, the length view, the KL estimate) on the packed
 rows and compares the metrics and the summary's bootstrap with the packed ones. Kept apart from evidence.py and
-evidence_verify.py, which call these two functions and nothing else of this module.
+stages/evidence/verify.py, which call these two functions and nothing else of this module.
 """
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import html
 import json
 from typing import Any
 
+from stages.evidence.compare import numbers_agree
 from stages.lib.layout import STAGE_OUTPUTS
 
 JUDGE = STAGE_OUTPUTS["judge"]
@@ -174,7 +175,6 @@ RECOMPUTED_SUMMARY_KEYS = ("n_prompts", "samples_per_prompt", "index_matrix", "b
 def check_generation(v, b) -> None:
     """`report verify`: metrics/generation.json and judge_summary.json's bootstrap recomputed from the packed
     judgments by evaluate_generation (floats to the verify tolerance). Missing members are _check_layout's."""
-    from stages.lib.evidence_verify import _numbers_agree
     from stages.lib.scoring import PerPairFileError, evaluate_generation
     generation = generation_members(b.packed_json, lambda rel: None if b.packed(rel) is None else b.packed(rel).decode())
     if generation is None or generation["rows"] is None or generation["metrics"] is None:
@@ -186,10 +186,10 @@ def check_generation(v, b) -> None:
         v.add(False, JUDGE["metrics_generation"], f"judgments refused: {e}")
         return
     diffs: list[str] = []
-    _numbers_agree(generation["metrics"], metrics, JUDGE["metrics_generation"], diffs)
+    numbers_agree(generation["metrics"], metrics, JUDGE["metrics_generation"], diffs)
     v.diffs(JUDGE["metrics_generation"], diffs, f"win-rate bootstrap recomputed from {JUDGE['judgments']}")
     packed: Any = generation["summary"] or {}
     diffs = []
-    _numbers_agree({k: packed.get(k) for k in RECOMPUTED_SUMMARY_KEYS}, {k: summary[k] for k in RECOMPUTED_SUMMARY_KEYS},
+    numbers_agree({k: packed.get(k) for k in RECOMPUTED_SUMMARY_KEYS}, {k: summary[k] for k in RECOMPUTED_SUMMARY_KEYS},
                    JUDGE["summary"], diffs)
     v.diffs(JUDGE["summary"], diffs, "bootstrap bounds and index matrix recomputed")

@@ -1,6 +1,6 @@
 """The evidence bundle's format: its hashes, its derived members and how it is packed, in one place.
 
-`python -m stages.report` writes a bundle with these functions and `report verify` (stages/lib/evidence_verify.py)
+`python -m stages.report` writes a bundle with these functions and `report verify` (stages/evidence/verify.py)
 recomputes the derived members with the very same ones, then compares bytes: summary.md from the packed metrics,
 bootstrap summary, train logs, run records and params; curves/*.png from the packed train logs; environment.json from the environment record
 and the runs' run_info.json; the manifest's `evaluation` map from the packed paths.
@@ -12,8 +12,8 @@ Bundle layout (every member under `evidence/`):
                        file by its hashes: the pin of what normalize read)
   environment.json     the environment record and each training run's layout, objective and settings
   params.yaml          the run's params.yaml, byte for byte but for absolute paths (see portable_path)
-  summary.md           the metrics table, the generation section (evidence_generation.py), what ran (sources,
-                       tokenize, reference, training, per-source accuracy for mixtures: stages/lib/evidence_records.py)
+  summary.md           the metrics table, the generation section (stages/evidence/generation.py), what ran (sources,
+                       tokenize, reference, training, per-source accuracy for mixtures: stages/evidence/records.py)
                        and the curves
   probe_sources.json   each probe pair's source, in probe order (the join per-source accuracy needs)
   curves/<label>_train_curves.png
@@ -298,12 +298,12 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
                    generation: dict | None = None, rounds: dict | None = None) -> str:
     """summary.md: the metrics table, the implicit reward scored, the plan's warnings (from each run's train log
     columns by label, read_train_log), the generation section (the packed judge outputs:
-    stages/lib/evidence_generation.py generation_members, or None), then what ran (`records`:
-    stages.lib.evidence_records.bundle_records of the bundle's members: sources, tokenize, reference, training,
+    stages/evidence/generation.py generation_members, or None), then what ran (`records`:
+    stages.evidence.records.bundle_records of the bundle's members: sources, tokenize, reference, training,
     per-source accuracy for mixtures), then the curves."""
-    from stages.lib.evidence_generation import render_generation_section
+    from stages.evidence.generation import render_generation_section
     from stages.lib.rounds import render_rounds_section
-    from stages.lib.evidence_records import summary_sections
+    from stages.evidence.records import summary_sections
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]
     if bootstrap is not None:

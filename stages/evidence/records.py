@@ -5,7 +5,7 @@ packed (no weights, no data): normalize_stats.json (each source, its rows, pairs
 tokenize_report.json (limits, pairs in/out, truncated and rejected by reason), ref_identity.json (the reference's
 repo, revision and files), and each trainer's run_info.json (objective, settings, pairs trained, steps). A record
 that names an absolute path (a data source or a reference outside the checkout) is packed with that path written
-portably (stages.lib.evidence.portable_path): the bundle never carries a machine's layout.
+portably (stages.evidence.bundle.portable_path): the bundle never carries a machine's layout.
 
 Beside them the bundle holds `probe_sources.json`, the source of every probe pair in probe order (from
 results/probe/probe.parquet), the join that per-source accuracy needs.

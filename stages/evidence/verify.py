@@ -5,11 +5,11 @@ checks below also hold each member to what it was made from:
   - members and packed artifacts against the manifest's sha256/md5 (a careless edit);
   - the manifest against the pipeline: every artifact of every stage the params imply (stages/lib/layout.py) is
     listed, nothing else; `evaluation` and `curves` are what the packed files and the layout give;
-  - derived members remade with report's own functions (stages/lib/evidence.py) and compared byte for byte:
+  - derived members remade with report's own functions (stages/evidence/bundle.py) and compared byte for byte:
     summary.md, the curve PNGs (SKIPPED, never MATCH, when this matplotlib is not the one that drew them),
     environment.json; metrics and bootstrap bounds recomputed from the per-pair rows by evaluate's code;
   - params.yaml: valid, the settings and objective each run recorded, the data sources the manifest pins;
-  - the packed run records (stages/lib/evidence_records.py) against their sums, one another, the probe manifests
+  - the packed run records (stages/evidence/records.py) against their sums, one another, the probe manifests
     and params; probe_sources.json, with a workspace, remade from its probe pairs;
   - with --workspace DIR: every artifact present and equal in DIR (a missing one DIFFERS, naming the stage to
     rerun), dvc.lock recording the same hashes and the same params (absolute paths compared portably), the
@@ -20,23 +20,22 @@ About 560 lines, one function per group of checks in the order they print, all o
 from __future__ import annotations
 
 import json
-import math
 import os
 from pathlib import Path
 from typing import Any
 
-from stages.lib.evidence import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
+from stages.evidence.bundle import (BUNDLE_ROOT, EXTERNAL, FORMAT, build_environment, curve_name,
                                  dvc_hashes, evaluation_map, json_bytes, metrics_label, portable_params,
                                  portable_path, BundleScan, read_train_log, render_curves_png, render_summary)
-from stages.lib.evidence_generation import check_generation, generation_members
-from stages.lib.evidence_records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
+from stages.evidence.compare import numbers_agree
+from stages.evidence.generation import check_generation, generation_members
+from stages.evidence.records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
                                          record_problems)
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS
 from stages.lib.stage_plan import TRAINED, bundle_artifacts
 from stages.lib.params import resolved_train
 
-FLOAT_REL_TOL = 1e-9     # recomputed float64 metrics: same numpy reduction order, only last-bit slack
 MANIFEST = f"{BUNDLE_ROOT}/manifest.json"
 PARAMS = f"{BUNDLE_ROOT}/params.yaml"
 ENVIRONMENT = f"{BUNDLE_ROOT}/environment.json"
@@ -427,25 +426,6 @@ def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
 # Metrics and bootstrap bounds, recomputed from the per-pair rows by evaluate's own code
 # --------------------------------------------------------------------------------------------------
 
-def _numbers_agree(a: Any, b: Any, where: str, out: list[str], skip=("distribution_sha256",)) -> None:
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b)):
-            if k in skip:
-                continue
-            if k not in a or k not in b:
-                out.append(f"{where}.{k}: {'missing in the bundle' if k not in a else 'not recomputed'}")
-            else:
-                _numbers_agree(a[k], b[k], f"{where}.{k}", out, skip)
-    elif isinstance(a, float) or isinstance(b, float):
-        ok = isinstance(a, (int, float)) and isinstance(b, (int, float)) and not isinstance(a, bool) and \
-            math.isclose(a, b, rel_tol=FLOAT_REL_TOL, abs_tol=1e-12)
-        if not ok:
-            out.append(f"{where}: bundle {a!r}, recomputed {b!r}")
-    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            _numbers_agree(x, y, f"{where}[{i}]", out, skip)
-    elif a != b:
-        out.append(f"{where}: bundle {a!r}, recomputed {b!r}")
 
 
 def _check_evaluation(v: Verdicts, b: _Bundle) -> None:
@@ -491,11 +471,11 @@ def _check_evaluation(v: Verdicts, b: _Bundle) -> None:
             v.add(False, f"metrics ({kind})", f"per-pair rows refused by evaluate: {e}")
             continue
         diffs: list[str] = []
-        _numbers_agree(b.packed_json(files["metrics"]), metrics, files["metrics"], diffs)
+        numbers_agree(b.packed_json(files["metrics"]), metrics, files["metrics"], diffs)
         v.diffs(files["metrics"], diffs, "recomputed from " + ", ".join((files["step0"], files["final"])))
         if boot is not None:
             diffs = []
-            _numbers_agree((boot.get("models") or {}).get(kind), summary, f"bootstrap_summary.models.{kind}", diffs)
+            numbers_agree((boot.get("models") or {}).get(kind), summary, f"bootstrap_summary.models.{kind}", diffs)
             v.diffs(f"{probe['bootstrap_summary']} ({kind})", diffs, "bootstrap bounds recomputed")
 
 
@@ -568,7 +548,7 @@ def _check_derived(v: Verdicts, b: _Bundle) -> None:
 
 
 def _check_records(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
-    """The packed run records (stages/lib/evidence_records.py) against their own arithmetic, one another, the
+    """The packed run records (stages/evidence/records.py) against their own arithmetic, one another, the
     probe manifests, the manifest's sources and params; probe_sources.json, with DIR, remade from its probe pairs."""
     probe = b.evaluation.get("probe", {})
     records = bundle_records(b.members, BUNDLE_ROOT)
@@ -600,7 +580,7 @@ def _bundle_rounds(b: _Bundle) -> dict | None:
 
 
 def _bundle_generation(b: _Bundle) -> dict | None:
-    """The packed judge outputs, as report read them for summary.md (stages/lib/evidence_generation.py)."""
+    """The packed judge outputs, as report read them for summary.md (stages/evidence/generation.py)."""
     return generation_members(b.packed_json, lambda rel: None if b.packed(rel) is None else b.packed(rel).decode())
 
 
