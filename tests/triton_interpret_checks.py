@@ -351,22 +351,36 @@ def check_lowbit_geometry(device: str = "cpu") -> None:
     from stages.engine import kernels
     from stages.engine.flat_adamw import TILE_ROWS
     from stages.engine.lowbit_adamw import BLOCK, n_blocks
-    sizes = [300, 5 * BLOCK, 1, 3 * BLOCK + 77, 2049, 17 * BLOCK]        # 3 + 5 + 1 + 4 + 17 + 17 = 47 blocks
+    # the last three: moments of blocks without gradient for thousands of steps (scales of 1e-20 .. 1e-44, the
+    # fast paths' power-of-two rescaling), an all-zero tensor, a tensor with gradients of 1e-25 (tiny m)
+    sizes = [300, 5 * BLOCK, 1, 3 * BLOCK + 77, 2049, 17 * BLOCK, 6 * BLOCK, BLOCK + 5, 2 * BLOCK]   # 58 blocks
     assert sum(n_blocks(k) for k in sizes) % TILE_ROWS != 0
     gen = torch.Generator().manual_seed(0)
-    bias = torch.tensor([0.0, 0.0, 0.9, 0.999, 1 - 0.9 ** 3, math.sqrt(1 - 0.999 ** 3)], dtype=torch.float64,
-                        device=device)
     lr, divisor, step = (torch.full((), x, device=device) for x in (1e-2, 1.37, 3.0))   # divisor > 1: a clip
     seed = 0x9E3779B9
-    for has_master, sr, wdtype in ((True, False, torch.bfloat16), (False, False, torch.float32),
-                                   (False, True, torch.bfloat16)):
+    # the last: sqrt(1 - beta2^t) below 2^-20, outside the fast paths' range: every tile reruns in the reference form
+    for has_master, sr, wdtype, bias2 in ((True, False, torch.bfloat16, math.sqrt(1 - 0.999 ** 3)),
+                                          (False, False, torch.float32, math.sqrt(1 - 0.999 ** 3)),
+                                          (False, True, torch.bfloat16, math.sqrt(1 - 0.999 ** 3)),
+                                          (True, False, torch.bfloat16, 1e-7)):
+        bias = torch.tensor([0.0, 0.0, 0.9, 0.999, 1 - 0.9 ** 3, bias2], dtype=torch.float64, device=device)
         tensors = []
-        for k in sizes:
+        for i, k in enumerate(sizes):
             g = torch.randn(k, generator=gen) * torch.exp(torch.randn(k, generator=gen) * 2) * 1e-2
             w = torch.randn(k, generator=gen)
             mc = torch.randint(0, 256, (k,), generator=gen, dtype=torch.uint8)
+            mc[mc == 128] = 0                                     # canonical codes: no -0
             sc = torch.randint(0, 256, (k,), generator=gen, dtype=torch.uint8)
             ms, ss = torch.rand(n_blocks(k), generator=gen) * 1e-2, torch.rand(n_blocks(k), generator=gen) * 1e-2
+            if i == 6:
+                g.zero_()
+                ms = ms * torch.logspace(-18, -42, n_blocks(k))
+                ss = ss * torch.logspace(-18, -42, n_blocks(k))
+            elif i == 7:
+                g.zero_(), mc.zero_(), sc.zero_(), ms.zero_(), ss.zero_()
+            elif i == 8:
+                g = g * 1e-23
+                ms, ss = ms * 1e-20, ss * 1e-20
             tensors.append((g.to(wdtype), w, mc, ms, sc, ss))
         # the flat buffers (FlatLowBitAdamW._build's layout) with 2 extra blocks of sentinels past the launch's range
         total = sum(n_blocks(k) for k in sizes) * BLOCK
@@ -407,14 +421,15 @@ def check_lowbit_geometry(device: str = "cpu") -> None:
             kernels._adamw8_kernel[(-(-kb // TILE_ROWS),)](
                 tg, tp, tw, tmc, tms, tsc, tss, torch.full((kb,), i, dtype=torch.int32, device=device),
                 torch.arange(kb, dtype=torch.int32, device=device) * BLOCK, kb, k, lr, bias, divisor, step, seed, 0.9,
-                0.1, 0.999, 1.0 - 0.999, 1e-8, 0.1, HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=False)
+                0.1, 0.999, 1.0 - 0.999, 1e-8, 0.1, HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=False,
+                FAST=False)
             for name, a, b in (("grad", fg[o:o + k], tg), ("param", fp[o:o + k], tp), ("m codes", fmc[o:o + k], tmc),
                                ("m scale", fms[b0:b0 + kb], tms), ("s codes", fsc[o:o + k], tsc),
                                ("s scale", fss[b0:b0 + kb], tss)) + ((("master", fw[o:o + k], tw),) if has_master else ()):
                 assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
                                    b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), (has_master, sr, i, name)
             moved = float((tp.float() != w.to(wdtype).float()).double().mean())
-            assert bool((tg == 0).all()) and (k == 1 or moved > 0.5), (has_master, sr, i, moved)   # zeroed; it moved
+            assert bool((tg == 0).all()) and (k == 1 or i >= 6 or moved > 0.5), (has_master, sr, i, moved)
             pad = slice(o + k, o + kb * BLOCK)
             for buf in (fg, fp, fw, fmc, fsc):                   # the padding: zero gradient, weight, moments
                 assert bool((buf[pad] == 0).all()), (i, buf.dtype)
