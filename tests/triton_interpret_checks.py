@@ -341,13 +341,15 @@ def check_flat_lowbit(device: str = "cpu") -> None:
 
 
 def check_lowbit_geometry(device: str = "cpu") -> None:
-    """kernels._adamw8_kernel's launch geometry: one launch over a flat buffer of several tensors (each starting at
-    a 128-value block, the last one's block padded with zeros, a block count that is not a multiple of the tile's
-    rows, so the last program's tile is part empty) with EVEN=True (no per-element mask: the vectorized path)
-    gives bitwise the codes, scales, weights and zeroed gradients of one launch per tensor with EVEN=False (the
-    per-element mask of a tensor ending inside its last block, the kernel's form before EVEN existed), in each
-    mode (fp32 masters of bf16 weights, fp32 weights, bf16 weights with stochastic rounding); the padding stays
-    zero and nothing past the launch's blocks is written."""
+    """(CPU under the interpreter, or CUDA from tests/engine/test_gpu.py, where the fast paths run on the GPU's own
+    MUFU approximations.) kernels._adamw8_kernel as the flat step launches it, one launch over a buffer of several
+    tensors (each starting at a 128-value block, the last block of each padded with zeros, a block count that is
+    not a multiple of the tile's rows, so the last tile is part empty) with EVEN (no per-element mask: the
+    vectorized accesses) and FAST (the branch-free divisions and square root), gives bitwise the codes, scales,
+    weights and zeroed gradients of one launch per tensor with the per-element mask and FAST=False (div_rn /
+    sqrt_rn: together the kernel as it was before both), in each mode (fp32 masters of bf16 weights, fp32 weights,
+    bf16 weights with stochastic rounding), on decayed, zero and tiny moments and in a launch whose every tile
+    reruns in the reference form; the padding stays zero and nothing past the launch's blocks is written."""
     from stages.engine import kernels
     from stages.engine.flat_adamw import TILE_ROWS
     from stages.engine.lowbit_adamw import BLOCK, n_blocks
@@ -428,7 +430,8 @@ def check_lowbit_geometry(device: str = "cpu") -> None:
                                ("s scale", fss[b0:b0 + kb], tss)) + ((("master", fw[o:o + k], tw),) if has_master else ()):
                 assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
                                    b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), (has_master, sr, i, name)
-            moved = float((tp.float() != w.to(wdtype).float()).double().mean())
+            now, was = (tw, w) if has_master else (tp.float(), w.to(wdtype).float())     # the master, else the weight
+            moved = float((now != was.to(now.device)).double().mean())
             assert bool((tg == 0).all()) and (k == 1 or i >= 6 or moved > 0.5), (has_master, sr, i, moved)
             pad = slice(o + k, o + kb * BLOCK)
             for buf in (fg, fp, fw, fmc, fsc):                   # the padding: zero gradient, weight, moments
