@@ -347,7 +347,8 @@ class FlatLowBitAdamW:
                 self.s_codes[sl], self.s_scale[b0:b1], self.ordinal[b0:b1], self.base[b0:b1], b1 - b0, end - start,
                 lrs[gi],
                 self.bias[i], self.divisor, self.step_count, self.optimizer.seed, beta1, 1.0 - beta1, beta2,
-                1.0 - beta2, eps, wd, HAS_MASTER=self.has_master, SR=self.sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True)
+                1.0 - beta2, eps, wd, HAS_MASTER=self.has_master, SR=self.sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True,
+                FAST=kernels.PTX)
         return self.norm
 
     @staticmethod
@@ -370,7 +371,8 @@ class FlatLowBitAdamW:
                                        BLOCK=1024)
         kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0], idx[1], 2, n,
                                      lr, bias[0], divisor, step, 12345, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0,
-                                     HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True)
+                                     HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True,
+                                     FAST=kernels.PTX)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0

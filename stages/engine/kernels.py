@@ -30,6 +30,9 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 # Read once, as Triton itself reads it when the kernels below are defined (not per call: the routed
 # modules ask on every layer call).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# _adamw8_kernel's FAST paths are PTX (MUFU reciprocal and root): on a ROCm build of torch (where tensors also say
+# is_cuda) the launchers keep the reference form.
+PTX = torch.version.hip is None
 
 
 def available(*tensors: torch.Tensor) -> bool:

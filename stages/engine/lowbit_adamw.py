@@ -302,7 +302,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             _local(state["s_scale"]), tables[0], tables[1], nb, n, lr, bias, div, self.step_count, self.seed, beta1,
             1.0 - beta1, beta2, 1.0 - beta2, group["eps"], group["weight_decay"], HAS_MASTER=master,
             SR=self.state_mode == "bf16_sr_8bit" and target.dtype == torch.bfloat16, ROWS=TILE_ROWS, B=BLOCK,
-            EVEN=n % BLOCK == 0)          # a tensor ending inside its last block needs the per-element mask
+            EVEN=n % BLOCK == 0, FAST=kernels.PTX)     # a tensor ending inside its last block: the element mask
 
     @torch.no_grad()
     def step(self, closure=None, grad_divisor: torch.Tensor | None = None):
