@@ -6,6 +6,7 @@ real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model_lora <model_dir> <token_parquet> <out.pt>
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_adamw
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_lowbit
+    TRITON_INTERPRET=1 python tests/triton_interpret_checks.py lowbit_geometry
 """
 from __future__ import annotations
 
@@ -339,6 +340,106 @@ def check_flat_lowbit(device: str = "cpu") -> None:
     print("flat lowbit ok")
 
 
+def check_lowbit_geometry(device: str = "cpu") -> None:
+    """(CPU under the interpreter, or CUDA from tests/engine/test_gpu.py, where the fast paths run on the GPU's own
+    MUFU approximations.) kernels._adamw8_kernel as the flat step launches it, one launch over a buffer of several
+    tensors (each starting at a 128-value block, the last block of each padded with zeros, a block count that is
+    not a multiple of the tile's rows, so the last tile is part empty) with EVEN (no per-element mask: the
+    vectorized accesses) and FAST (the branch-free divisions and square root), gives bitwise the codes, scales,
+    weights and zeroed gradients of one launch per tensor with the per-element mask and FAST=False (div_rn /
+    sqrt_rn: together the kernel as it was before both), in each mode (fp32 masters of bf16 weights, fp32 weights,
+    bf16 weights with stochastic rounding), on decayed, zero and tiny moments and in a launch whose every tile
+    reruns in the reference form; the padding stays zero and nothing past the launch's blocks is written."""
+    from stages.engine import kernels
+    from stages.engine.flat_adamw import TILE_ROWS
+    from stages.engine.lowbit_adamw import BLOCK, n_blocks
+    # the last three: moments of blocks without gradient for thousands of steps (scales of 1e-20 .. 1e-44, the
+    # fast paths' power-of-two rescaling), an all-zero tensor, a tensor with gradients of 1e-25 (tiny m)
+    sizes = [300, 5 * BLOCK, 1, 3 * BLOCK + 77, 2049, 17 * BLOCK, 6 * BLOCK, BLOCK + 5, 2 * BLOCK]   # 58 blocks
+    assert sum(n_blocks(k) for k in sizes) % TILE_ROWS != 0
+    gen = torch.Generator().manual_seed(0)
+    lr, divisor, step = (torch.full((), x, device=device) for x in (1e-2, 1.37, 3.0))   # divisor > 1: a clip
+    seed = 0x9E3779B9
+    # the last: sqrt(1 - beta2^t) below 2^-20, outside the fast paths' range: every tile reruns in the reference form
+    for has_master, sr, wdtype, bias2 in ((True, False, torch.bfloat16, math.sqrt(1 - 0.999 ** 3)),
+                                          (False, False, torch.float32, math.sqrt(1 - 0.999 ** 3)),
+                                          (False, True, torch.bfloat16, math.sqrt(1 - 0.999 ** 3)),
+                                          (True, False, torch.bfloat16, 1e-7)):
+        bias = torch.tensor([0.0, 0.0, 0.9, 0.999, 1 - 0.9 ** 3, bias2], dtype=torch.float64, device=device)
+        tensors = []
+        for i, k in enumerate(sizes):
+            g = torch.randn(k, generator=gen) * torch.exp(torch.randn(k, generator=gen) * 2) * 1e-2
+            w = torch.randn(k, generator=gen)
+            mc = torch.randint(0, 256, (k,), generator=gen, dtype=torch.uint8)
+            mc[mc == 128] = 0                                     # canonical codes: no -0
+            sc = torch.randint(0, 256, (k,), generator=gen, dtype=torch.uint8)
+            ms, ss = torch.rand(n_blocks(k), generator=gen) * 1e-2, torch.rand(n_blocks(k), generator=gen) * 1e-2
+            if i == 6:
+                g.zero_()
+                ms = ms * torch.logspace(-18, -42, n_blocks(k))
+                ss = ss * torch.logspace(-18, -42, n_blocks(k))
+            elif i == 7:
+                g.zero_(), mc.zero_(), sc.zero_(), ms.zero_(), ss.zero_()
+            elif i == 8:
+                g = g * 1e-23
+                ms, ss = ms * 1e-20, ss * 1e-20
+            tensors.append((g.to(wdtype), w, mc, ms, sc, ss))
+        # the flat buffers (FlatLowBitAdamW._build's layout) with 2 extra blocks of sentinels past the launch's range
+        total = sum(n_blocks(k) for k in sizes) * BLOCK
+        nb = total // BLOCK
+        spare = 2 * BLOCK
+        grad = torch.full((total + spare,), 7.0, dtype=wdtype)
+        param = torch.full((total + spare,), 7.0, dtype=wdtype)
+        master = torch.full((total + spare,), 7.0)
+        mcodes, scodes = (torch.full((total + spare,), 77, dtype=torch.uint8) for _ in range(2))
+        mscale, sscale = (torch.full((nb + 2,), 7.0) for _ in range(2))
+        ordinal, base = torch.zeros(nb, dtype=torch.int32), torch.zeros(nb, dtype=torch.int32)
+        o = 0
+        for i, (k, (g, w, mc, ms, sc, ss)) in enumerate(zip(sizes, tensors)):
+            kb, b0 = n_blocks(k), o // BLOCK
+            end = o + kb * BLOCK
+            for buf in (grad, param, master, mcodes, scodes):
+                buf[o:end] = 0                                   # the build's zero padding
+            grad[o:o + k], param[o:o + k], master[o:o + k] = g, w.to(wdtype), w
+            mcodes[o:o + k], scodes[o:o + k] = mc, sc
+            mscale[b0:b0 + kb], sscale[b0:b0 + kb] = ms, ss
+            ordinal[b0:b0 + kb] = i
+            base[b0:b0 + kb] = torch.arange(kb, dtype=torch.int32) * BLOCK
+            o = end
+        flat = [t.to(device) for t in (grad, param, master, mcodes, mscale, scodes, sscale)]
+        before = [t.clone() for t in flat]
+        fg, fp, fw, fmc, fms, fsc, fss = flat
+        kernels._adamw8_kernel[(-(-nb // TILE_ROWS),)](
+            fg[:total], fp[:total], fw[:total], fmc[:total], fms[:nb], fsc[:total], fss[:nb], ordinal.to(device),
+            base.to(device), nb, total, lr, bias, divisor, step, seed, 0.9, 0.1, 0.999, 1.0 - 0.999, 1e-8, 0.1,
+            HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True)
+        for t, b in zip(flat, before):                           # nothing past the launch's range is written
+            assert torch.equal(t[-spare if t.numel() > nb + 2 else -2:], b[-spare if t.numel() > nb + 2 else -2:])
+        o = 0
+        for i, (k, (g, w, mc, ms, sc, ss)) in enumerate(zip(sizes, tensors)):
+            kb, b0 = n_blocks(k), o // BLOCK
+            one = [x.clone().to(device) for x in (g, w.to(wdtype), w, mc, ms, sc, ss)]
+            tg, tp, tw, tmc, tms, tsc, tss = one
+            kernels._adamw8_kernel[(-(-kb // TILE_ROWS),)](
+                tg, tp, tw, tmc, tms, tsc, tss, torch.full((kb,), i, dtype=torch.int32, device=device),
+                torch.arange(kb, dtype=torch.int32, device=device) * BLOCK, kb, k, lr, bias, divisor, step, seed, 0.9,
+                0.1, 0.999, 1.0 - 0.999, 1e-8, 0.1, HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=False,
+                FAST=False)
+            for name, a, b in (("grad", fg[o:o + k], tg), ("param", fp[o:o + k], tp), ("m codes", fmc[o:o + k], tmc),
+                               ("m scale", fms[b0:b0 + kb], tms), ("s codes", fsc[o:o + k], tsc),
+                               ("s scale", fss[b0:b0 + kb], tss)) + ((("master", fw[o:o + k], tw),) if has_master else ()):
+                assert torch.equal(a.view(torch.uint8) if a.dtype == torch.bfloat16 else a,
+                                   b.view(torch.uint8) if b.dtype == torch.bfloat16 else b), (has_master, sr, i, name)
+            now, was = (tw, w) if has_master else (tp.float(), w.to(wdtype).float())     # the master, else the weight
+            moved = float((now != was.to(now.device)).double().mean())
+            assert bool((tg == 0).all()) and (k == 1 or i >= 6 or moved > 0.5), (has_master, sr, i, moved)
+            pad = slice(o + k, o + kb * BLOCK)
+            for buf in (fg, fp, fw, fmc, fsc):                   # the padding: zero gradient, weight, moments
+                assert bool((buf[pad] == 0).all()), (i, buf.dtype)
+            o += kb * BLOCK
+    print("lowbit geometry ok")
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     if sys.argv[1] == "kernels":
@@ -347,6 +448,8 @@ if __name__ == "__main__":
         check_flat_adamw()
     elif sys.argv[1] == "flat_lowbit":
         check_flat_lowbit()
+    elif sys.argv[1] == "lowbit_geometry":
+        check_lowbit_geometry()
     elif sys.argv[1] == "model_lora":
         model_outputs(*sys.argv[2:5], lora=True)
     else:

@@ -192,7 +192,37 @@ def _launch(grad, param, master, exp_avg, exp_avg_sq, partials, norm, divisor, s
 # The low-bit modes (train.optimizer.state fp32_master_8bit / bf16_sr_8bit) on the CUDA-graph path
 # ----------------------------------------------------------------------------------------------
 
-TILE_ROWS = 16          # quantization blocks per program of _adamw8_kernel (16 x 128 = 2048 values)
+# quantization blocks per program of _adamw8_kernel (8 x 128 = 1024 values, 8 a thread at 4 warps): on an H100 over
+# 1.17e9 values the update kernel took 7.6 ms (fp32_master_8bit) and 7.4 ms (bf16_sr_8bit) at 8 rows, 8.1 and 8.0
+# at 16 (more registers a thread, fewer programs resident), 8.4 and 9.0 at 8 rows on 2 warps
+TILE_ROWS = 8
+
+
+def step_bytes_per_param(state: str, weight_bytes: int = 2, masters: bool = True) -> float:
+    """The bytes one flat step moves through GPU memory per parameter, every buffer read once and written once (the
+    bandwidth bound is this times the parameters over the memory's bandwidth; bench/optim_bench.py reports GB/s from
+    it). weight_bytes: the model weights' and gradients' dtype size; masters: fp32 masters beside them.
+      the clip's norm pass (_sumsq_kernel) reads the gradient:                                   g
+      exact (_adamw_kernel): reads gradient, fp32 master, m, v; writes master, m, v, the model
+        weight and the zeroed gradient:                                       g + 12 + 12 + w + g   (bf16: 32)
+      fp32_master_8bit over bf16 weights (_adamw8_kernel, HAS_MASTER): reads gradient, master, two 8-bit codes;
+        writes master, weight, two codes, zeroed gradient; both fp32 scales read and written once
+        per 128 values (16 / 128):                                 g + 4 + 2 + 4 + w + 2 + g + 0.125   (20.125)
+      fp32_master_8bit over fp32 weights (autocast; the weight is the master):  g + 4 + 2 + 4 + 2 + g + 0.125  (24.125)
+      bf16_sr_8bit: as the fp32-weight form with bf16 weights, plus the stochastic-rounding hash's two int32 tables
+        (parameter ordinal, element index) per block (8 / 128):                                 (14.1875)
+    The kernel launches and the one-program _clip_kernel move bytes independent of the parameter count."""
+    g = w = weight_bytes
+    norm = g
+    if state == "exact":
+        return norm + (g + 12) + (12 + w + g)
+    if state not in ("fp32_master_8bit", "bf16_sr_8bit"):
+        raise ValueError(f"unknown optimizer state {state!r}")
+    scales = 2 * 2 * 4 / 128
+    if state == "fp32_master_8bit" and masters:
+        return norm + (g + 4 + 2) + (4 + w + 2 + g) + scales
+    tables = 2 * 4 / 128 if state == "bf16_sr_8bit" else 0.0
+    return norm + (g + w + 2) + (w + 2 + g) + scales + tables
 
 
 class FlatLowBitAdamW:
@@ -317,7 +347,8 @@ class FlatLowBitAdamW:
                 self.s_codes[sl], self.s_scale[b0:b1], self.ordinal[b0:b1], self.base[b0:b1], b1 - b0, end - start,
                 lrs[gi],
                 self.bias[i], self.divisor, self.step_count, self.optimizer.seed, beta1, 1.0 - beta1, beta2,
-                1.0 - beta2, eps, wd, HAS_MASTER=self.has_master, SR=self.sr, ROWS=TILE_ROWS, B=BLOCK)
+                1.0 - beta2, eps, wd, HAS_MASTER=self.has_master, SR=self.sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True,
+                FAST=kernels.PTX)
         return self.norm
 
     @staticmethod
@@ -340,7 +371,8 @@ class FlatLowBitAdamW:
                                        BLOCK=1024)
         kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0], idx[1], 2, n,
                                      lr, bias[0], divisor, step, 12345, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0,
-                                     HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK)
+                                     HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True,
+                                     FAST=kernels.PTX)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0

@@ -30,6 +30,9 @@ except Exception:  # noqa: BLE001 - any import failure means "not available"
 # Read once, as Triton itself reads it when the kernels below are defined (not per call: the routed
 # modules ask on every layer call).
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# _adamw8_kernel's FAST paths are PTX (MUFU reciprocal and root): on a ROCm build of torch (where tensors also say
+# is_cuda) the launchers keep the reference form.
+PTX = torch.version.hip is None
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -228,22 +231,144 @@ if triton is not None:
         normal = (((e + 127 - TOP) << 23) | (f << 20)).to(tl.float32, bitcast=True)
         return tl.where(e > 0, normal, f.to(tl.float32) * SUB_STEP)
 
+    # div.rn.f32 and sqrt.rn.f32 compile to a fast path guarded by a range check (FCHK; an exponent compare for
+    # sqrt) that branches per element to a slow-path call: 5 such sites per value made _adamw8_kernel issue-bound
+    # (171 SASS instructions a value, convergence barriers between every one, so no overlap across values). The
+    # helpers below are the fast paths themselves, the very instruction sequences ptxas emits (MUFU.RCP / MUFU.RSQ
+    # then FFMA / FMUL: read off the kernel's SASS), branch-free; _adamw8_math checks its own operands' ranges, where
+    # these sequences are exact, and the kernel reruns a tile with div_rn / sqrt_rn if any value is outside.
+    _EMULATE_MUFU = tl.constexpr(_INTERPRET)     # Triton's interpreter runs no PTX: correctly rounded stand-ins
+
+    @triton.jit
+    def _rcp_approx(x):
+        if _EMULATE_MUFU:
+            return 1.0 / x
+        else:
+            return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def _rsqrt_approx(x):
+        if _EMULATE_MUFU:
+            return 1.0 / tl.sqrt(x)
+        else:
+            return tl.inline_asm_elementwise("rsqrt.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+
+    @triton.jit
+    def _rcp_refined(b):
+        """div.rn's reciprocal of b: MUFU.RCP and one Newton step (two FFMA)."""
+        y0 = _rcp_approx(b)
+        return tl.fma(y0, tl.fma(-b, y0, 1.0), y0)
+
+    @triton.jit
+    def _div_fast(a, b, y):
+        """div.rn(a, b)'s fast path given y = _rcp_refined(b) (shared by every a of one b): a quotient, its exact
+        remainder by FMA, one correction; correctly rounded for normal operands and a normal quotient whose
+        remainder is exact (the ranges _adamw8_math checks), and +0 for a = +0."""
+        q = tl.fma(y, a, 0.0)
+        r = tl.fma(-b, q, a)
+        return tl.fma(y, r, q)
+
+    @triton.jit
+    def _sqrt_fast(v):
+        """sqrt.rn(v)'s fast path (valid for v in [2^-101, FLT_MAX], the range its guard admits), 0 for v = 0."""
+        r = _rsqrt_approx(v)
+        s0 = v * r
+        s = tl.fma(tl.fma(-s0, s0, v), r * 0.5, s0)
+        return tl.where(v == 0.0, 0.0, s)
+
+    @triton.jit
+    def _adamw8_math(g, w, m, s, lr, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+                     bias2_sqrt, FAST: tl.constexpr):
+        """The update of one tile (m, sqrt(v) decoded) -> (w, new m codes with sign, new sqrt(v) codes, m's and
+        sqrt(v)'s block absmax, whether any value is outside the fast paths' exact ranges). FAST=False: div_rn /
+        sqrt_rn (the reference form; never `bad`). FAST=True: the same operations by _div_fast / _sqrt_fast, equal
+        bit for bit wherever not `bad`; where an operand is below a fast path's range it is scaled by a power of two
+        first and the result scaled back, both exact (power-of-two scaling commutes with rounding while nothing
+        is subnormal), so zero-gradient blocks whose moments decay for thousands of steps stay on the fast path:
+          sqrt(v): v = 0, v in [2^-101, FLT_MAX] (sqrt.rn's own fast range), or below: sqrt(v 2^64) 2^-32 (the
+            root of a v >= 2^-149 is >= 2^-75: normal); an infinite or NaN v is `bad`;
+          s / bias2_sqrt, bias2_sqrt = sqrt(1 - beta2^t) in [2^-20, 1] (else `bad`): s = 0 or s >= 2^-75, so the
+            remainder s - bias2_sqrt q is a multiple of >= 2^(e_s - 47) >= 2^-122: exact, the quotient normal;
+          m / denom, denom = s / bias2_sqrt + eps in [2^-40, 2^60] (else `bad`): m = +0 gives +0 (codes are
+            canonical, no -0 code, and +0 plus -0 is +0, so m is never -0); |m| >= 2^-60 directly (remainder grain
+            2^(e_m - 47)); a smaller m as (m 2^64 / denom) 2^-64, `bad` if that scaled quotient is below 2^-62 (the
+            result would be subnormal and the scaling back round);
+          |m| / absmax and s / absmax per block, the absmax (1 where 0) <= 2^60 (else `bad`), both scaled by 2^100
+            where the absmax is below 2^-60 (|m| <= absmax: no overflow): only the 8-bit code of the quotient is
+            kept; a quotient that can round to a non-zero code (>= 2^-35) has an exact remainder (grain >=
+            2^(-60 - 36 - 46)), a smaller one is off by far less than 2^-35 and codes 0 either way."""
+        v = s * s
+        w = w * (1.0 - lr * weight_decay)
+        m = beta1 * m + one_minus_beta1 * g
+        v = beta2 * v + one_minus_beta2 * g * g
+        am = tl.max(tl.abs(m), axis=1)
+        bm = tl.where(am > 0, am, 1.0)
+        if FAST:
+            tiny_v = v < 3.944304526105059e-31                                           # 2^-101
+            s = _sqrt_fast(tl.where(tiny_v, v * 1.8446744073709552e+19, v)) \
+                * tl.where(tiny_v, 2.3283064365386963e-10, 1.0)                          # 2^64, 2^-32
+            denom = _div_fast(s, bias2_sqrt, _rcp_refined(bias2_sqrt)) + eps
+            tiny_m = tl.abs(m) < 8.673617379884035e-19                                   # 2^-60
+            qs = _div_fast(tl.where(tiny_m, m * 1.8446744073709552e+19, m), denom, _rcp_refined(denom))
+            w = w - step_size * (qs * tl.where(tiny_m, 5.421010862427522e-20, 1.0))      # 2^-64
+            a_s = tl.max(s, axis=1)
+            bs = tl.where(a_s > 0, a_s, 1.0)
+            fm = tl.where(bm < 8.673617379884035e-19, 1.2676506002282294e+30, 1.0)       # 2^-60, 2^100
+            fs = tl.where(bs < 8.673617379884035e-19, 1.2676506002282294e+30, 1.0)
+            bm2, bs2 = bm * fm, bs * fs
+            ym = _div_fast(tl.abs(m) * fm[:, None], bm2[:, None], _rcp_refined(bm2)[:, None])
+            ys = _div_fast(s * fs[:, None], bs2[:, None], _rcp_refined(bs2)[:, None])
+            c = tl.zeros_like(v) + bias2_sqrt        # a tile: the interpreter's scalar booleans do not mix
+            bad = ~(v <= 3.4028234663852886e+38) | ~((denom >= 9.094947017729282e-13) & (denom <= 1.152921504606847e+18)) \
+                | (tiny_m & (m != 0.0) & ~(tl.abs(qs) >= 2.168404344971009e-19)) \
+                | ~((c >= 9.5367431640625e-07) & (c <= 1.0)) \
+                | ~((bm2 <= 1.152921504606847e+18) & (bs2 <= 1.152921504606847e+18))[:, None]
+            # FLT_MAX; 2^-40, 2^60; 2^-62; 2^-20
+        else:
+            s = tl.math.sqrt_rn(v)
+            w = w - step_size * tl.math.div_rn(m, tl.math.div_rn(s, bias2_sqrt) + eps)
+            a_s = tl.max(s, axis=1)
+            ym = tl.math.div_rn(tl.abs(m), bm[:, None])
+            ys = tl.math.div_rn(s, tl.where(a_s > 0, a_s, 1.0)[:, None])
+            bad = tl.zeros(m.shape, dtype=tl.int1)
+        new_m = _encode8(ym, 15, 6.103515625e-05, 131072.0)       # 2^-14, 2^17
+        new_m = tl.where((m < 0) & (new_m > 0), new_m | 128, new_m)
+        new_s = _encode8(ys, 31, 9.31322574615478515625e-10, 8589934592.0)     # 2^-30, 2^33
+        return w, new_m, new_s, am, a_s, tl.max(bad.to(tl.int32))
+
     @triton.jit(do_not_specialize=["n_blocks", "n", "seed"])
     def _adamw8_kernel(grad_ptr, param_ptr, master_ptr, mc_ptr, msc_ptr, sc_ptr, ssc_ptr, ord_ptr, base_ptr,
                        n_blocks, n, lr_ptr, bias_ptr, divisor_ptr, step_ptr, seed, beta1, one_minus_beta1, beta2,
                        one_minus_beta2, eps, weight_decay, HAS_MASTER: tl.constexpr, SR: tl.constexpr,
-                       ROWS: tl.constexpr, B: tl.constexpr):
+                       ROWS: tl.constexpr, B: tl.constexpr, EVEN: tl.constexpr, FAST: tl.constexpr = True):
         """One program = ROWS quantization blocks of B values (a tile [ROWS, B]; every tensor starts at a block,
         so a row is one block of one tensor). AdamW as _adamw_kernel, with m and sqrt(v) decoded from 8-bit codes
         and per-block fp32 scales, re-encoded after the update (absmax per row); the weight written to the fp32
         master and rounded to nearest into the model dtype (HAS_MASTER), or rounded stochastically to bf16 with
         the counter hash of (seed, step, block's parameter ordinal, element index in the parameter) (SR), or
         written as is (fp32 weights). Zeroes the gradient. n: the values (a flat buffer's are whole blocks; one
-        tensor's, on the eager GPU path, may end inside its last block)."""
+        tensor's, on the eager GPU path, may end inside its last block).
+
+        One pass: every byte of the tile is loaded once and stored once, the absmax reductions stay in registers
+        (flat_adamw.step_bytes_per_param counts the bytes). EVEN (n is whole blocks: every flat buffer, and most tensors):
+        the only mask is per row, constant along a block, so Triton proves each thread's run of a row contiguous
+        and unmasked-alike and issues 128-bit loads and stores. An element mask `offs < n` with n unknown at
+        compile time (n is not specialised: it changes with every tensor) splits every access into one scalar
+        load or store per element (the SASS of the kernel before EVEN had 32 one-byte loads and 32 one-byte
+        stores per thread for 16 values: what made the 8-bit step 2.5x slower than the exact one, which moves more
+        bytes). FAST (the default; False only as the tests' reference): the four divisions and the square root of
+        a value by their branch-free fast paths (_adamw8_math), bitwise the div_rn / sqrt_rn results, a tile rerun
+        in that reference form where some value falls outside the fast paths' exact ranges (uniform per program:
+        the rerun costs only such tiles)."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_blocks
         offs = rows[:, None] * B + tl.arange(0, B)[None, :]
-        mask = rmask[:, None] & (offs < n)
+        if EVEN:
+            mask = rmask[:, None]          # per row only: constant along a block, so the accesses vectorize
+        else:
+            mask = rmask[:, None] & (offs < n)
         lr = tl.load(lr_ptr)
         step_size = (lr.to(tl.float64) / tl.load(bias_ptr + 4)).to(tl.float32)
         bias2_sqrt = tl.load(bias_ptr + 5).to(tl.float32)
@@ -259,19 +384,12 @@ if triton is not None:
         m = _decode8(mcode & 0x7F, 15, 7.62939453125e-06) * mscale[:, None]       # 2^-17: the subnormal step
         m = tl.where(mcode >= 128, -m, m)
         s = _decode8(scode, 31, 1.16415321826934814453125e-10) * sscale[:, None]  # 2^-33
-        v = s * s
-        w = w * (1.0 - lr * weight_decay)
-        m = beta1 * m + one_minus_beta1 * g
-        v = beta2 * v + one_minus_beta2 * g * g
-        s = tl.math.sqrt_rn(v)
-        w = w - step_size * tl.math.div_rn(m, tl.math.div_rn(s, bias2_sqrt) + eps)
-        am = tl.max(tl.abs(m), axis=1)
-        ym = tl.math.div_rn(tl.abs(m), tl.where(am > 0, am, 1.0)[:, None])
-        new_m = _encode8(ym, 15, 6.103515625e-05, 131072.0)       # 2^-14, 2^17
-        new_m = tl.where((m < 0) & (new_m > 0), new_m | 128, new_m)
-        a_s = tl.max(s, axis=1)
-        new_s = _encode8(tl.math.div_rn(s, tl.where(a_s > 0, a_s, 1.0)[:, None]), 31,
-                         9.31322574615478515625e-10, 8589934592.0)     # 2^-30, 2^33
+        w0 = w
+        w, new_m, new_s, am, a_s, bad = _adamw8_math(g, w0, m, s, lr, weight_decay, beta1, one_minus_beta1, beta2,
+                                                     one_minus_beta2, eps, step_size, bias2_sqrt, FAST)
+        if bad:          # a rare tile with a value outside the fast paths' exact ranges: the reference form
+            w, new_m, new_s, am, a_s, bad = _adamw8_math(g, w0, m, s, lr, weight_decay, beta1, one_minus_beta1,
+                                                         beta2, one_minus_beta2, eps, step_size, bias2_sqrt, False)
         tl.store(mc_ptr + offs, new_m.to(tl.uint8), mask=mask)
         tl.store(sc_ptr + offs, new_s.to(tl.uint8), mask=mask)
         tl.store(msc_ptr + rows, am, mask=rmask)

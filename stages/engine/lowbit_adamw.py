@@ -281,6 +281,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         """A GPU's eager step (DDP, FSDP2, fused_backward): kernels._adamw8_kernel on this one tensor, the same
         update as the CUDA-graph path's flat kernel, without the torch-ops path's fp32 and int64 temporaries."""
         from stages.engine import kernels
+        from stages.engine.flat_adamw import TILE_ROWS
         state = self.state[p]
         n, nb = w_t.numel(), n_blocks(w_t.numel())
         tables = self._tables.get(id(p))
@@ -296,11 +297,12 @@ class LowBitAdamW(torch.optim.Optimizer):
         div = divisor.reshape(()).float() if divisor is not None else torch.ones((), device=w_t.device)
         master = self._model_of.get(id(p)) is not None
         g = g_t if g_t.is_contiguous() else g_t.contiguous()
-        kernels._adamw8_kernel[(-(-nb // 16),)](
+        kernels._adamw8_kernel[(-(-nb // TILE_ROWS),)](
             g, target, w_t, _local(state["m_codes"]), _local(state["m_scale"]), _local(state["s_codes"]),
             _local(state["s_scale"]), tables[0], tables[1], nb, n, lr, bias, div, self.step_count, self.seed, beta1,
             1.0 - beta1, beta2, 1.0 - beta2, group["eps"], group["weight_decay"], HAS_MASTER=master,
-            SR=self.state_mode == "bf16_sr_8bit" and target.dtype == torch.bfloat16, ROWS=16, B=BLOCK)
+            SR=self.state_mode == "bf16_sr_8bit" and target.dtype == torch.bfloat16, ROWS=TILE_ROWS, B=BLOCK,
+            EVEN=n % BLOCK == 0, FAST=kernels.PTX)     # a tensor ending inside its last block: the element mask
 
     @torch.no_grad()
     def step(self, closure=None, grad_divisor: torch.Tensor | None = None):

@@ -301,3 +301,64 @@ def test_gpu_check_refuses_without_a_gpu_and_copies_a_clean_checkout(tmp_path, c
                                  "machine": {"card": "NVIDIA H100 80GB HBM3", "card_memory_gib": 79.1},
                                  "parts": {"suite": {"ok": False, "seconds": 1, "failures": ["t::x"]}}})
     assert "NVIDIA H100 80GB HBM3" in rendered and "## suite: FAILED" in rendered and "t::x" in rendered
+
+
+def test_optim_bench_bytes_model_counts_the_flat_buffers_and_its_dry_run_reports_bandwidth(tmp_path):
+    """flat_adamw.step_bytes_per_param (what optim_bench divides by for GB/s) against the buffers a built flat step
+    really holds: the norm pass reads the gradient, the update reads and writes each buffer once (the SR tables only
+    read); and `optim_bench.py --dry-run` (CPU, Triton's interpreter, a shrunk shape) gives each row its bytes, GB/s
+    and bound from that model, and skips a library that does not import with the reason."""
+    import importlib.util
+    import subprocess
+
+    import torch
+    from stages.engine.flat_adamw import FlatLowBitAdamW, FlatMasterAdamW, step_bytes_per_param
+    from stages.engine.lowbit_adamw import LowBitAdamW
+    from stages.engine.optim import MasterWeightAdamW
+
+    for state, dtype, masters in (("exact", torch.bfloat16, True), ("fp32_master_8bit", torch.bfloat16, True),
+                                  ("fp32_master_8bit", torch.float32, False), ("bf16_sr_8bit", torch.bfloat16, False)):
+        params = [torch.nn.Parameter(torch.zeros(256, 128 + 3 * i, dtype=dtype)) for i in range(3)]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        n = sum(p.numel() for p in params)
+        groups = [{"params": params}]
+        held = {id(p): p.detach().float() for p in params} if masters else None
+        if state == "exact":
+            flat = FlatMasterAdamW(MasterWeightAdamW(groups, held, lr=1e-3, betas=(0.9, 0.999)), 1.0)
+            flat._build()
+            state_bufs = [flat.master, flat.exp_avg, flat.exp_avg_sq]
+        else:
+            flat = FlatLowBitAdamW(LowBitAdamW(groups, state, seed=0, masters=held, lr=1e-3, betas=(0.9, 0.999)), 1.0)
+            flat._build()
+            state_bufs = [flat.m_codes, flat.s_codes, flat.m_scale, flat.s_scale] + ([flat.master] if masters else [])
+        # times each buffer crosses memory in a step: the gradient read by the norm pass, read and zeroed by the
+        # update; the state read and written; the model weight written (read too where it is the weight updated);
+        # the stochastic-rounding tables read
+        times = [(flat.grad, 3), (flat.param, 1 if masters else 2)] + [(b, 2) for b in state_bufs]
+        times += [(flat.ordinal, 1), (flat.base, 1)] if getattr(flat, "sr", False) else []
+        moved = sum(k * b.numel() * b.element_size() for b, k in times) / n
+        # 256 x (128 + 3i) values: whole 128-value blocks, so the buffers hold no padding and the counts are exact
+        assert step_bytes_per_param(state, weight_bytes=dtype.itemsize, masters=masters) == pytest.approx(
+            moved, rel=1e-12), state
+    assert step_bytes_per_param("fp32_master_8bit") < step_bytes_per_param("exact")
+
+    out = tmp_path / "dry.json"
+    env = {k: v for k, v in __import__("os").environ.items() if k != "TRITON_INTERPRET"}
+    rows = "ours_fp32_master_8bit,ours_bf16_sr_8bit,torch_fused_fp32,bnb_adamw8bit"
+    run = subprocess.run([sys.executable, str(REPO_ROOT / "bench" / "optim_bench.py"), "--out", str(out), "--dry-run",
+                          "--params", "2e4", "--rows", rows, "--peak-gbps", "4800"],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    got = {r["row"]: r for r in result["rows"]}
+    assert result["peak_gbps"] == 4800 and list(got) == rows.split(",")
+    for name, want in (("ours_fp32_master_8bit", 20.125), ("ours_bf16_sr_8bit", 14.1875), ("torch_fused_fp32", 28)):
+        r = got[name]
+        assert r["bytes_per_param"] == want and r["ms_median"] > 0, r
+        gbps = want * r["parameters"] / (r["ms_median"] * 1e-3) / 1e9
+        assert r["achieved_gbps"] == pytest.approx(gbps, rel=1e-3, abs=0.1)
+        assert r["bound_ms"] == pytest.approx(want * r["parameters"] / 4800e9 * 1e3, rel=1e-2, abs=1e-3)
+    if importlib.util.find_spec("bitsandbytes") is None:
+        assert got["bnb_adamw8bit"]["skipped"].startswith("not importable: ModuleNotFoundError")
+    assert "| ours_bf16_sr_8bit |" in run.stdout

@@ -203,6 +203,14 @@ def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():
     check_flat_lowbit("cuda")
 
 
+def test_lowbit_kernel_fast_paths_and_geometry_are_bitwise_the_reference_form_on_gpu():
+    """kernels._adamw8_kernel's vectorized one-launch-per-buffer form with its branch-free divisions and square root
+    (MUFU + FFMA) against one masked launch per tensor with div_rn / sqrt_rn, bitwise, on decayed, zero and tiny
+    moments too, and a launch whose every tile reruns in the reference form (triton_interpret_checks)."""
+    from triton_interpret_checks import check_lowbit_geometry
+    check_lowbit_geometry("cuda")
+
+
 @pytest.mark.parametrize("state", ["fp32_master_8bit", "bf16_sr_8bit"])
 def test_lowbit_codec_and_hash_are_bitwise_the_cpu_ones_on_gpu(state):
     """One flat step from zero state on the GPU: the codes and scales it writes for m and sqrt(v) decode to what

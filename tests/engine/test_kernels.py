@@ -39,6 +39,14 @@ def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_under_the_interpreter():
 
 
 @needs_triton
+def test_lowbit_kernel_launch_geometry_under_the_interpreter():
+    """kernels._adamw8_kernel over one flat buffer of several tensors (padded last blocks, a partial last tile)
+    with its vectorized path (EVEN) equals bitwise one masked launch per tensor, in each low-bit mode; the padding
+    stays zero and nothing past the range is written (triton_interpret_checks.check_lowbit_geometry)."""
+    assert "lowbit geometry ok" in interpret("lowbit_geometry")
+
+
+@needs_triton
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 def test_routed_model_matches_hf_code_path(tmp_path, arch):
     """The whole packed model with rotary and SiLU-mul through the (interpreted) kernels equals this process's
