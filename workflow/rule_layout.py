@@ -18,21 +18,9 @@ from pathlib import Path
 
 from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS, STAGE_PARAMS
 from stages.lib.stage_plan import bundle_artifacts, n_rounds, round_outputs, round_rule, rule_declaration
-from stages.lib.params import SCHEMA_PATH, load_schema
+from stages.lib.params import ABSENT, SCHEMA_PATH, dotted_lookup, load_schema
 
 SCHEMA = str(SCHEMA_PATH.relative_to(Path(__file__).resolve().parents[1]))
-
-
-def _lookup(config: dict, key: str):
-    node = config
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return _ABSENT
-        node = node[part]
-    return node
-
-
-_ABSENT = object()
 
 
 def rule_params(config: dict, stage: str) -> dict:
@@ -42,8 +30,8 @@ def rule_params(config: dict, stage: str) -> dict:
     keys = [k for k in config] if STAGE_PARAMS[stage] == ("*",) else STAGE_PARAMS[stage]
     out = {}
     for key in keys:
-        value = _lookup(config, key)
-        if value is not _ABSENT:
+        value = dotted_lookup(config, key)
+        if value is not ABSENT:
             out[key.replace(".", "__")] = value
     return out
 

@@ -34,7 +34,7 @@ from stages.evidence.records import (PROBE_SOURCES, bundle_records, portable_rec
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
 from stages.lib.layout import STAGE_OUTPUTS
 from stages.lib.stage_plan import TRAINED, bundle_artifacts
-from stages.lib.params import resolved_train
+from stages.lib.params import ABSENT, dotted_lookup, resolved_train
 
 MANIFEST = f"{BUNDLE_ROOT}/manifest.json"
 PARAMS = f"{BUNDLE_ROOT}/params.yaml"
@@ -317,17 +317,6 @@ def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
 # params.yaml against the runs' settings, dvc.lock's params and the pinned sources
 # --------------------------------------------------------------------------------------------------
 
-def _lookup(tree: Any, dotted: str) -> Any:
-    for part in dotted.split("."):
-        if not isinstance(tree, dict) or part not in tree:
-            return _ABSENT
-        tree = tree[part]
-    return tree
-
-
-_ABSENT = object()
-
-
 def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     training = b.environment().get("training") or {}
     # A run's settings are its TrainSettings record: params.yaml's `train` with a LoRA block's defaults filled, and
@@ -341,7 +330,7 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         settings = run["settings"]
         diffs = [f"train.{k}: params.yaml {train.get(k, '(absent)')!r}, the {label} run trained with "
                  f"{settings.get(k, '(absent)')!r}" for k in sorted(set(train) | set(settings))
-                 if train.get(k, _ABSENT) != settings.get(k, _ABSENT)]
+                 if train.get(k, ABSENT) != settings.get(k, ABSENT)]
         if label == "dpo" and run.get("objective") != b.params["dpo"]["objective"]:
             diffs.append(f"dpo.objective: params.yaml {b.params['dpo']['objective']!r}, the run's "
                          f"{run.get('objective')!r}")
@@ -354,8 +343,8 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
                    if isinstance(tm, dict) and isinstance(tm.get("limits"), dict) else {})}
     if recorded:                                # absent manifests: _check_layout said so
         v.diffs(f"{PARAMS} (probe manifests)",
-                [f"{k}: params.yaml {_lookup(b.params, k)!r}, the probe manifests record {val!r}"
-                 for k, val in recorded.items() if _lookup(b.params, k) != val],
+                [f"{k}: params.yaml {dotted_lookup(b.params, k)!r}, the probe manifests record {val!r}"
+                 for k, val in recorded.items() if dotted_lookup(b.params, k) != val],
                 "probe size and seed" + (", tokenize limits" if any(k.startswith("tokenize.") for k in recorded)
                                          else "") + " as the probe manifests record them")
     if ws is None or not ws.has_lock:
@@ -369,10 +358,10 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
             for part in parents:
                 node = node.setdefault(part, {})
             node[leaf] = value
-            want, have = _lookup(portable_params(nested), key), _lookup(b.params, key)
+            want, have = dotted_lookup(portable_params(nested), key), dotted_lookup(b.params, key)
             n += 1
             if want != have:
-                diffs.append(f"{key}: params.yaml {'(absent)' if have is _ABSENT else repr(have)}, "
+                diffs.append(f"{key}: params.yaml {'(absent)' if have is ABSENT else repr(have)}, "
                              f"dvc.lock ({stage}) {want!r}")
     v.diffs(f"{PARAMS} (dvc.lock)", diffs, f"the {n} params dvc.lock records, stage by stage")
 
@@ -399,8 +388,8 @@ def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
           f"{len(sources)} source(s) pinned by md5 and sha256")
     if ws is None:
         return
-    lock_sources = (_lookup(ws.params.get("normalize", {}).get("data"), "sources")
-                    if ws.has_lock else _ABSENT)
+    lock_sources = (dotted_lookup(ws.params.get("normalize", {}).get("data"), "sources")
+                    if ws.has_lock else ABSENT)
     if not isinstance(lock_sources, list) or len(lock_sources) != len(sources):
         lock_sources = None
     for k, src in enumerate(sources):

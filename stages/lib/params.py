@@ -377,6 +377,18 @@ def preflight_params(path: str | os.PathLike = "params.yaml", *, gpus_here: bool
     return params
 
 
+ABSENT = object()       # dotted_lookup's answer for a key the tree does not hold (None is a value params can hold)
+
+
+def dotted_lookup(tree: Any, dotted: str) -> Any:
+    """The value at a dotted key path (`train.lr`) of params-like nested mappings, or ABSENT."""
+    for part in dotted.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return ABSENT
+        tree = tree[part]
+    return tree
+
+
 def load_params(path: str | os.PathLike = "params.yaml") -> dict[str, Any]:
     """What every stage reads its knobs with: preflight_params without the GPU count (a stage runs where its
     rule sends it; the engine checks the devices it is given)."""
