@@ -50,7 +50,8 @@ def _arguments(parser) -> None:
 def round_train_params(params: dict) -> dict:
     """`train` as a round after the first trains it (`rounds.train`'s keys over `train`'s), the one section
     TrainSettings reads."""
-    overrides = (params.get("rounds") or {}).get("train") or {}
+    rounds = params.get("rounds")       # (not `or {}`: truth-testing the params view reads all of `rounds`)
+    overrides = (rounds.get("train") if rounds is not None else None) or {}
     return {"train": {**params["train"], **overrides}}
 
 

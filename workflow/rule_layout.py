@@ -9,18 +9,17 @@ It also declares the params.yaml keys each stage reads (STAGE_PARAMS; a stage ca
 stages/lib/declared_params.py). A rule's params are exactly those keys (`**rule_params(config, stage)`, plus
 `cli_`/`env_` values that are no params.yaml key), so Snakemake and DVC (dvc.yaml is generated from the rules)
 rerun a stage when a key it reads changes, and only then. A stage that reads a key whose value the schema may
-supply (a default) has the schema as an input too.
+supply (a default) has the schema's defaults (their generated file) as an input too.
 """
 from __future__ import annotations
 
-from functools import lru_cache
 from pathlib import Path
 
 from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS, STAGE_PARAMS
 from stages.lib.stage_plan import bundle_artifacts, n_rounds, round_outputs, round_rule, rule_declaration
-from stages.lib.params import ABSENT, SCHEMA_PATH, dotted_lookup, load_schema
+from stages.lib.params import ABSENT, DEFAULTS_PATH, dotted_lookup, load_defaults
 
-SCHEMA = str(SCHEMA_PATH.relative_to(Path(__file__).resolve().parents[1]))
+DEFAULTS = str(DEFAULTS_PATH.relative_to(Path(__file__).resolve().parents[1]))
 
 
 def rule_params(config: dict, stage: str) -> dict:
@@ -36,34 +35,16 @@ def rule_params(config: dict, stage: str) -> dict:
     return out
 
 
-@lru_cache(maxsize=1)
-def _defaulted_paths() -> tuple[str, ...]:
-    """Dotted paths of the keys the schema gives a default (inside a oneOf alternative too: train.adapter.r)."""
-    found: list[str] = []
-
-    def walk(node, path: str) -> None:
-        if not isinstance(node, dict):
-            return
-        if "default" in node and path:
-            found.append(path)
-        for key, sub in (node.get("properties") or {}).items():
-            walk(sub, f"{path}.{key}" if path else key)
-        for alt in node.get("oneOf", []) + node.get("anyOf", []):
-            walk(alt, path)
-    walk(load_schema(), "")
-    return tuple(found)
-
-
 def reads_schema_defaults(stage: str) -> bool:
-    """Whether a key `stage` declares can take its value from a schema default (then the schema is its input)."""
+    """Whether a key `stage` declares can take its value from a schema default (then the defaults are its input)."""
     declared = STAGE_PARAMS[stage]
     return any(d == "*" or p == d or p.startswith(d + ".") or d.startswith(p + ".")
-               for d in declared for p in _defaulted_paths())
+               for d in declared for p in load_defaults())
 
 
-def schema_input(stage: str) -> list[str]:
-    """The schema as `stage`'s input when it supplies a default the stage reads, else nothing."""
-    return [SCHEMA] if reads_schema_defaults(stage) else []
+def defaults_input(stage: str) -> list[str]:
+    """The schema's defaults (their generated file) as `stage`'s input when it reads a defaulted key, else nothing."""
+    return [DEFAULTS] if reads_schema_defaults(stage) else []
 
 
 def check_rules_follow_layout(rules, config: dict) -> None:
@@ -85,9 +66,9 @@ def check_rules_follow_layout(rules, config: dict) -> None:
             raise ValueError(f"rule {name}: params {sorted(listed)} are not its declaration's {sorted(wanted)} "
                              f"(stages/lib/layout.py STAGE_PARAMS[{stage!r}]; rules take "
                              f"`**rule_params(config, {stage!r})`)")
-        if reads_schema_defaults(stage) and SCHEMA not in {str(f) for f in rule.input}:
-            raise ValueError(f"rule {name}: reads a key the schema may default; {SCHEMA} must be an input "
-                             f"(`schema=schema_input({stage!r})`)")
+        if reads_schema_defaults(stage) and DEFAULTS not in {str(f) for f in rule.input}:
+            raise ValueError(f"rule {name}: reads a key the schema may default; {DEFAULTS} must be an input "
+                             f"(`defaults=defaults_input({stage!r})`)")
     missing = set(bundle_artifacts(config)) - {str(f) for f in rules.report.input}
     if missing:
         raise ValueError(f"rule report: the evidence bundle would miss {sorted(missing)} (stages/lib/layout.py)")

@@ -2,7 +2,7 @@
 workflow/schemas/params.schema.yaml, as TRL's config help is its documentation (issue 35 item 6). A maintainer's
 tool, no rule (as sync_dvc.py writes dvc.yaml):
 
-    python workflow/sync_params_doc.py            # rewrite docs/PARAMS.md
+    python workflow/sync_params_doc.py            # rewrite docs/PARAMS.md and workflow/schemas/params.defaults.json
     python workflow/sync_params_doc.py --check    # exit 1 when docs/PARAMS.md is stale or a key has no description
 
 A key is documented by its schema node: its description (a key without one is an error: --check names it), its
@@ -19,6 +19,9 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+from stages.lib.params import DEFAULTS_PATH, defaults_of_schema  # noqa: E402
 SCHEMA = ROOT / "workflow" / "schemas" / "params.schema.yaml"
 PARAMS = ROOT / "params.yaml"
 DOC = ROOT / "docs" / "PARAMS.md"
@@ -107,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     params = yaml.safe_load(PARAMS.read_text(encoding="utf-8"))
     missing = undocumented(schema, params)
     text = render(schema, params)
+    defaults = json.dumps(defaults_of_schema(schema), indent=2, sort_keys=True) + "\n"
     if args.check:
         problems = [f"{SCHEMA.relative_to(ROOT)}: {k} has no description" for k in missing]
         if not DOC.exists() or DOC.read_text(encoding="utf-8") != text:
             problems.append(f"{DOC.relative_to(ROOT)} is stale: run `python workflow/sync_params_doc.py`")
+        if not DEFAULTS_PATH.exists() or DEFAULTS_PATH.read_text(encoding="utf-8") != defaults:
+            problems.append(f"{DEFAULTS_PATH.relative_to(ROOT)} is stale: run `python workflow/sync_params_doc.py`")
         for p in problems:
             print(p, file=sys.stderr)
         return 1 if problems else 0
@@ -118,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         print("refusing to write docs/PARAMS.md: no description for " + ", ".join(missing), file=sys.stderr)
         return 1
     DOC.write_text(text, encoding="utf-8")
+    DEFAULTS_PATH.write_text(defaults, encoding="utf-8")
     print(f"wrote {DOC.relative_to(ROOT)} ({sum(1 for _ in entries(schema, params))} keys)")
     return 0
 

@@ -25,6 +25,10 @@ import jsonschema
 import yaml
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "params.schema.yaml"
+# The schema's defaults alone, {dotted key: default} (generated from the schema by workflow/sync_params_doc.py; its
+# --check fails when they drift): what a stage reads of the schema beyond validation, so this file, not the whole
+# schema, is the input of the stages that read a defaulted key (a new loss name in the schema's enum reruns none).
+DEFAULTS_PATH = SCHEMA_PATH.with_name("params.defaults.json")
 
 
 class ParamsError(ValueError):
@@ -216,24 +220,44 @@ def validate_params(params: dict, source: str = "params.yaml") -> dict:
 # Defaults the schema declares
 # ---------------------------------------------------------------------------------------------
 
-def schema_defaults(node: dict) -> dict[str, Any]:
-    """{key: default} of an object schema's properties that declare a `default`."""
-    return {key: copy.deepcopy(prop["default"]) for key, prop in (node.get("properties") or {}).items()
-            if isinstance(prop, dict) and "default" in prop}
+def defaults_of_schema(schema: dict) -> dict[str, Any]:
+    """{dotted key path: default} of every key the schema gives a default, inside a oneOf alternative too
+    (train.adapter's LoRA block: `train.adapter.r`)."""
+    found: dict[str, Any] = {}
+
+    def walk(node, path: str) -> None:
+        if not isinstance(node, dict):
+            return
+        if "default" in node and path:
+            found[path] = copy.deepcopy(node["default"])
+        for key, sub in (node.get("properties") or {}).items():
+            walk(sub, f"{path}.{key}" if path else key)
+        for alt in node.get("oneOf", []) + node.get("anyOf", []):
+            walk(alt, path)
+    walk(schema, "")
+    return dict(sorted(found.items()))
+
+
+def load_defaults() -> dict[str, Any]:
+    """The schema's defaults as stages read them: DEFAULTS_PATH (generated from the schema)."""
+    import json
+    with open(DEFAULTS_PATH, encoding="utf-8") as f:
+        return json.load(f)
 
 
 def resolved_train(train: dict) -> dict:
     """params.yaml's `train` as a run uses it (engine/settings.py TrainSettings; what run_info records and report
     verify compares): `adapter` absent = null (full fine-tuning); a LoRA block's omitted keys take the schema's
-    defaults (workflow/schemas/params.schema.yaml train.adapter, the one place they are written)."""
+    defaults (workflow/schemas/params.schema.yaml train.adapter, the one place they are written; read from their
+    generated copy, DEFAULTS_PATH, the rules' input)."""
     out = dict(train)
     adapter = out.get("adapter")
     if adapter is None:
         out["adapter"] = None
     else:
-        alternatives = load_schema()["properties"]["train"]["properties"]["adapter"]["oneOf"]
-        lora = next(alt for alt in alternatives if alt.get("type") == "object")
-        out["adapter"] = {**schema_defaults(lora), **adapter}
+        lora = {key.removeprefix("train.adapter."): value for key, value in load_defaults().items()
+                if key.startswith("train.adapter.")}
+        out["adapter"] = {**lora, **adapter}
     return out
 
 

@@ -510,8 +510,9 @@ def test_a_bundle_with_an_extra_huge_member_differs_naming_it_and_is_streamed(wo
     assert differs == ["DIFFERS  evidence/padding.bin: a member no stage writes (report packs params.yaml, "
                        "environment.json, summary.md, probe_sources.json, the curves and the packed artifacts of "
                        "the pipeline's layout)"], out[-3000:]
-    # read in 1 MB pieces: the peak is the genuine bundle's verify's, give or take, never the member's size
-    assert peak < baseline + 100 * 2**20 and peak < size / 3, (peak, baseline)
+    # read in 1 MB pieces: the peak is the genuine bundle's verify's, give or take 100 MB, never grown by the member's
+    # 1.5 GB (the genuine verify's own peak varies with the environment: 318 MB in one venv, 743 MB in another)
+    assert peak < baseline + 100 * 2**20, (peak, baseline)
     # The same member listed at 1 MB: refused once the bound is passed (the tar header already says more).
     lying = tmp_path / "lying.tar.gz"
     _bundle_with_extra_member(genuine, lying, "evidence/padding.bin", 64 * 2**20, listed_size=2**20)

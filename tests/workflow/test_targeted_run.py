@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 
 def readme_recipe() -> list[str]:
-    """The bash block under README's "## Comparing runs", a command per line (comments dropped)."""
+    """The bash block under README's section Comparing runs, a command per line (comments dropped)."""
     text = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
     section = text[text.index("## Comparing runs"):]
     block = re.search(r"```bash\n(.*?)```", section, re.S).group(1)

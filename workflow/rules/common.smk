@@ -18,7 +18,7 @@ from stages.lib.layout import STAGE_OUTPUTS as OUT
 from stages.lib.stage_plan import uses_ref_logps
 # A rule's params are the params.yaml keys its stage declares (stages/lib/layout.py STAGE_PARAMS; the stage can read
 # no other), plus `cli_` values; the schema is an input of a stage that reads a key it may default.
-from rule_layout import rule_params, schema_input
+from rule_layout import defaults_input, rule_params
 
 LOGS = "logs"
 

@@ -69,7 +69,7 @@ rule report:
         sources=rules.normalize.input.sources,
         # report's `verify` recomputes metrics with lib/scoring.py (evaluate's code) and the environment with lib's.
         code=code_deps("stages.report"),
-        schema=schema_input("report"),
+        defaults=defaults_input("report"),
     output:
         bundle=OUT["report"]["bundle"],
         summary=OUT["report"]["summary"],

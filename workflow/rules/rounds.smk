@@ -105,7 +105,7 @@ for _k in range(2, N_ROUNDS + 1):
             ref_logps=getattr(rules, round_rule("ref_logps", _k)).output.ref_logps,
             code=code_deps("stages.train_dpo"),
             chat_template=CHAT_TEMPLATE_FILE,
-            schema=schema_input("round_train_dpo"),
+            defaults=defaults_input("round_train_dpo"),
         output:
             model=directory(round_outputs("train_dpo", _k)["model"]),
             **{n: p for n, p in round_outputs("train_dpo", _k).items() if n != "model"},

@@ -45,7 +45,7 @@ rule sft:
         else [],
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.sft"),
-        schema=schema_input("sft"),
+        defaults=defaults_input("sft"),
     output:
         model=directory(OUT["sft"]["model"]),
         identity=OUT["sft"]["identity"],
@@ -119,7 +119,7 @@ rule train_dpo:
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_dpo"),
-        schema=schema_input("train_dpo"),
+        defaults=defaults_input("train_dpo"),
     output:
         model=directory(OUT["train_dpo"]["model"]),
         plots_train_log=OUT["train_dpo"]["plots_train_log"],
@@ -156,7 +156,7 @@ rule train_rm:
         identity=REF_IDENTITY,
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_rm"),
-        schema=schema_input("train_rm"),
+        defaults=defaults_input("train_rm"),
     output:
         model=directory(OUT["train_rm"]["model"]),
         plots_train_log=OUT["train_rm"]["plots_train_log"],
