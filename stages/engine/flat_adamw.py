@@ -192,10 +192,7 @@ def _launch(grad, param, master, exp_avg, exp_avg_sq, partials, norm, divisor, s
 # The low-bit modes (train.optimizer.state fp32_master_8bit / bf16_sr_8bit) on the CUDA-graph path
 # ----------------------------------------------------------------------------------------------
 
-# quantization blocks per program of _adamw8_kernel (8 x 128 = 1024 values, 8 a thread at 4 warps): on an H100 over
-# 1.17e9 values the update kernel took 7.6 ms (fp32_master_8bit) and 7.4 ms (bf16_sr_8bit) at 8 rows, 8.1 and 8.0
-# at 16 (more registers a thread, fewer programs resident), 8.4 and 9.0 at 8 rows on 2 warps
-TILE_ROWS = 8
+TILE_ROWS = kernels.TILE_ROWS          # _adamw8_kernel's launch geometry (stages/engine/kernels.py says why 8)
 
 
 def step_bytes_per_param(state: str, weight_bytes: int = 2, masters: bool = True) -> float:

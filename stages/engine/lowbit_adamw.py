@@ -281,7 +281,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         """A GPU's eager step (DDP, FSDP2, fused_backward): kernels._adamw8_kernel on this one tensor, the same
         update as the CUDA-graph path's flat kernel, without the torch-ops path's fp32 and int64 temporaries."""
         from stages.engine import kernels
-        from stages.engine.flat_adamw import TILE_ROWS
+        TILE_ROWS = kernels.TILE_ROWS
         state = self.state[p]
         n, nb = w_t.numel(), n_blocks(w_t.numel())
         tables = self._tables.get(id(p))

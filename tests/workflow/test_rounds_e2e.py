@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import yaml
 
-from pipeline_helpers import _kill_when_running, commit, copy_checkout, dvc_changed_stages, sh
+from pipeline_helpers import _kill_when_running, commit, copy_finished_run, dvc_changed_stages, sh
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,12 @@ def set_rounds(repo, n: int) -> None:
 
 @pytest.fixture(scope="module")
 def three_rounds(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("rounds")
-    repo = copy_checkout(tmp / "repo")
+    # From the session's finished default run (round 1 is that run's train_dpo / generate / judge): only rounds 2
+    # and 3 and what reads them (rounds_metrics, report) run here.
+    repo, home = copy_finished_run(tmp_path_factory, tmp_path_factory.mktemp("rounds"))
     set_rounds(repo, 3)
     commit(repo, "dpo.rounds 3")
-    sh("snakemake", "--cores", "2", cwd=repo, home=tmp / "home")
+    sh("snakemake", "--cores", "2", cwd=repo, home=home)
     return repo
 
 

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from conftest import REPO_ROOT
-from pipeline_helpers import copy_checkout, dvc_changed_stages, sh
+from pipeline_helpers import copy_finished_run, dvc_changed_stages, sh
 
 pytestmark = pytest.mark.slow
 
@@ -63,15 +63,17 @@ def interrupted_run(repo: Path, log: Path) -> None:
     assert proc.returncode != 0
 
 
-def test_day_two_a_targeted_judge_run_and_comparing_runs_as_readme_says(tmp_path):
+def test_day_two_a_targeted_judge_run_and_comparing_runs_as_readme_says(tmp_path, tmp_path_factory):
     recipe = readme_recipe()
-    baseline, second = recipe[:2]                            # the two `snakemake ... && git commit` lines
+    baseline, second = recipe[:2]                            # a plain run, then `snakemake ... && git commit`
     exp_show = next(line for line in recipe if line.startswith("dvc exp show"))
-    repo = copy_checkout(tmp_path / "repo")
+    # A user's clone that has run the default (the session's finished run, copied): the recipe's first line, a plain
+    # run, then has the committed record to reproduce and nothing to do.
+    repo, _ = copy_finished_run(tmp_path_factory, tmp_path)
     (repo / "models/my-model").mkdir(parents=True)           # a model folder of the user's, untracked
     (repo / "models/my-model/config.json").write_text("{}\n")
 
-    r = bash(baseline, repo)                                  # snakemake --cores 2 && git add ... && git commit
+    r = bash(baseline, repo)                                  # snakemake --cores 2: nothing to do
     assert r.returncode == 0, r.stderr[-4000:]
 
     # Item 6. A changed knob, a run interrupted after evaluate, then an eval-only run.
