@@ -57,6 +57,17 @@ def commit(repo: Path, msg: str) -> None:
     sh("git", "-c", "user.email=ci@example.com", "-c", "user.name=ci", "commit", "--allow-empty", "-qm", msg, cwd=repo)
 
 
+def cap_training_steps(repo: Path, steps: int = 4) -> None:
+    """train.max_steps: `steps` in the repo's params.yaml (sft, train_dpo and train_rm each stop after that many
+    optimizer steps; every stage still runs): for the tests of the workflow's mechanics (executors, DVC's plots and
+    experiments), whose assertions hold for any amount of training, so they do not pay minutes of it. The caller
+    runs sync_dvc.py after it, as after any params edit."""
+    path = repo / "params.yaml"
+    text = path.read_text()
+    assert "\ntrain:\n" in text and "max_steps:" not in text.split("\ntrain:\n", 1)[1].split("\n\n", 1)[0]
+    path.write_text(text.replace("\ntrain:\n", f"\ntrain:\n  max_steps: {steps}\n", 1))
+
+
 def dvc_changed_stages(repo: Path) -> set[str]:
     status = json.loads(sh("dvc", "status", "--json", cwd=repo).strip().splitlines()[-1] or "{}")
     return {name.split(":")[-1] for name in status}

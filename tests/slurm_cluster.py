@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -27,6 +28,25 @@ APT_PACKAGES = ["slurmctld", "slurmd", "slurm-client", "munge"]
 BINARIES = ["munged", "slurmctld", "slurmd", "sbatch", "srun", "squeue", "scontrol"]
 ETC_CONF = Path("/etc/slurm/slurm.conf")
 MUNGE_RUN = Path("/run/munge")
+
+
+def _left_by_a_killed_test_cluster(conf: Path) -> bool:
+    """The link points at a test cluster's config (this module's: a run dir with pids.json, under the temp
+    directory) and none of that cluster's Slurm daemons is alive, or its directory is gone altogether."""
+    if not conf.is_symlink():
+        return False
+    target = Path(os.readlink(conf))
+    if not (target.is_absolute() and target.name == "slurm.conf"
+            and target.parts[:2] == Path(tempfile.gettempdir()).parts[:2]):
+        return False
+    if not target.parent.exists():
+        return True
+    try:
+        pids = json.loads((target.parent / "pids.json").read_text())
+    except (OSError, ValueError):
+        return False      # not one of ours, or unreadable: leave it alone
+    # Only the Slurm daemons read the config (a munged it started may outlive it: it is no reason to keep the link).
+    return all(_gone(int(pid)) for name, pid in pids.items() if name.startswith("slurm"))
 
 
 class SlurmUnavailable(RuntimeError):
@@ -140,6 +160,11 @@ class SlurmCluster:
         if os.geteuid() != 0:
             raise SlurmUnavailable("a test Slurm runs slurmd/slurmctld as root; not root here")
         ensure_installed()
+        if _left_by_a_killed_test_cluster(ETC_CONF):
+            # A test run killed before its teardown (a timeout, a session stop) leaves the link behind with
+            # no daemon of its cluster alive, so no Slurm is reading it. Left in place it skipped every later
+            # Slurm test on this machine (CI did exactly that), so it is removed; a live config never is.
+            ETC_CONF.unlink()
         if ETC_CONF.exists() or ETC_CONF.is_symlink():
             # A real cluster's config (or another test cluster's): never replace it.
             raise SlurmUnavailable(f"{ETC_CONF} already exists; not replacing a Slurm config this test did not make")

@@ -369,7 +369,7 @@ def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
 
 
 # Which dvc.lock entry each stage's Snakemake records (.snakemake/metadata: the params, code, inputs and input checksums
-# its triggers compare) were written for: {stage: entry_digest}. Written by the onsuccess commit for the stages a run
+# its triggers compare) were written for, and those records as they were then: {stage: _records_digest}. Written by the onsuccess commit for the stages a run
 # recorded, and by RunGuard after it refreshes Snakemake's records (refresh_snakemake_records). A stage whose entry in
 # dvc.lock is not the one noted here has outputs Snakemake did not make in the run it remembers: `git checkout OLD &&
 # dvc checkout` restored another run (issue 34 item 7), or `dvc repro` built them.
@@ -396,11 +396,30 @@ def _noted_entries(root: Path) -> dict[str, str]:
     return noted if isinstance(noted, dict) else {}
 
 
+def _records_digest(root: Path, entry) -> str:
+    """A stage's dvc.lock entry together with Snakemake's metadata files of its outs, as they are now. Snakemake
+    rewrites a job's metadata even when the job fails (a refused `probe.size`: its params then name the refused
+    value), and a killed run leaves what it wrote: the note no longer matches, so the next run refreshes the records
+    dvc.lock still vouches for instead of rerunning from there (issue 34)."""
+    import base64
+    import hashlib
+    digest = hashlib.sha256(entry_digest(entry).encode())
+    outs = entry.get("outs", []) if isinstance(entry, dict) else []
+    for out in sorted(str(o.get("path", "")) for o in outs if isinstance(o, dict)):
+        meta = root / ".snakemake" / "metadata" / base64.urlsafe_b64encode(out.encode()).decode()
+        try:
+            data = meta.read_bytes()
+        except OSError:
+            data = b"absent"
+        digest.update(out.encode() + b"\0" + hashlib.sha256(data).digest())
+    return digest.hexdigest()
+
+
 def note_snakemake_records(root: Path, recorded: dict, stages) -> None:
     """Note that Snakemake's records of `stages`' outputs now describe their entries in `recorded` (dvc.lock)."""
     import json
     noted = _noted_entries(root)
-    noted.update({name: entry_digest(recorded[name]) for name in stages if name in recorded})
+    noted.update({name: _records_digest(root, recorded[name]) for name in stages if name in recorded})
     path = root / SNAKEMAKE_RECORDS
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -433,7 +452,7 @@ def refresh_snakemake_records(repo, root: Path, recorded: dict, matching: list[s
     refreshed."""
     import subprocess
     noted = _noted_entries(root)
-    behind = [name for name in matching if noted.get(name) != entry_digest(recorded[name])]
+    behind = [name for name in matching if noted.get(name) != _records_digest(root, recorded[name])]
     if not behind:
         return []
     # And every matching stage downstream of those: touching an output makes it newer than what reads it, and a
@@ -480,7 +499,8 @@ def refresh_snakemake_records(repo, root: Path, recorded: dict, matching: list[s
         return []
     note_snakemake_records(root, recorded, refresh)
     log(f"integrity: {', '.join(refresh)}: the workspace is dvc.lock's record, not the run Snakemake remembers "
-        "(restored, e.g. by `git checkout` and `dvc checkout`): Snakemake's records refreshed, nothing reruns for it")
+        "(restored by `git checkout` and `dvc checkout`, or after a failed or killed run): Snakemake's records "
+        "refreshed, nothing reruns for it")
     return refresh
 
 

@@ -427,7 +427,7 @@ def test_a_probe_larger_than_the_data_is_refused_before_anything_trains(workspac
         assert "freeze_probe: refused:" in log and "probe.size is 100000000" in log and "lower probe.size" in log, log
         assert {p: p.stat().st_mtime_ns for p in (repo / "results/tokens").iterdir()} == later, "tokenize ran"
     finally:
-        # Back as it was, mtimes included (rebuilding freeze_probe would rerun everything after it: minutes).
+        # Back as it was, mtimes included: the bytes dvc.lock records.
         (repo / "params.yaml").write_text(params)
         for path, (data, st) in saved.items():
             path.parent.mkdir(parents=True, exist_ok=True)      # Snakemake removed the failed job's outputs
@@ -435,6 +435,11 @@ def test_a_probe_larger_than_the_data_is_refused_before_anything_trains(workspac
             os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
     done = run(repo, "snakemake", "--cores", "1")
     assert done.returncode == 0, done.stderr[-4000:]
+    # The refused job rewrote Snakemake's record of freeze_probe (its params: the refused size); dvc.lock still
+    # vouches for the restored outputs, so the records are refreshed and nothing reruns (before: everything from
+    # freeze_probe on, minutes).
+    assert "Nothing to be done" in done.stdout + done.stderr, done.stderr[-4000:]
+    assert "Snakemake's records refreshed" in done.stderr, done.stderr[-4000:]
     assert_is_the_record(repo)
 
 

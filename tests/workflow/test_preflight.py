@@ -64,7 +64,7 @@ SYNC_DVC = (sys.executable, "workflow/sync_dvc.py")
 @pytest.mark.parametrize("path, why", [
     ("data/embedded/color_facts_prefs.jsonl.gx", "no such file"),                    # a typo
     ("data/embedded/*.parquet", "the glob matches no .jsonl, .jsonl.gz, .json, .json.gz or .parquet file"),
-    ("workflow/schemas", "the directory holds no .jsonl"),
+    ("workflow/rules", "the directory holds no .jsonl"),   # .smk only (schemas/ holds a .json now)
 ])
 def test_a_source_naming_no_data_is_refused_by_sync_dvc_and_snakemake(checkout, path, why):
     """Before: a missing file gave `wrote dvc.yaml (9 stages)` (normalize silently gone: its old outputs stood
