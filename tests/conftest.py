@@ -74,3 +74,20 @@ def assets(tmp_path):
     write_token_parquet(tmp_path / "train.parquet", toy_task_rows(64, seed=1))
     write_token_parquet(tmp_path / "probe.parquet", toy_task_rows(37, seed=2, prefix="q"))
     return tmp_path
+
+
+# Files run longest first. README's command distributes whole files over two workers (`--dist loadfile`, since
+# several files build a costly module fixture once); xdist's default order, most tests first, put the files of one
+# or two end-to-end tests (minutes each: the real-data README run, the DVC comparison) last, where one worker ran
+# them alone while the other idled. A slow-marked test counts as a minute, any other as a second: a rough cost, but
+# it is the ordering, not the measure, that matters (largest first keeps the tail short).
+SLOW_TEST_COST_S, TEST_COST_S = 60, 1
+
+
+def pytest_collection_modifyitems(config, items):
+    cost: dict[str, int] = {}
+    for item in items:
+        cost[item.nodeid.split("::", 1)[0]] = cost.get(item.nodeid.split("::", 1)[0], 0) + (
+            SLOW_TEST_COST_S if item.get_closest_marker("slow") else TEST_COST_S)
+    first_seen = {path: i for i, path in reversed(list(enumerate(item.nodeid.split("::", 1)[0] for item in items)))}
+    items.sort(key=lambda item: (-cost[item.nodeid.split("::", 1)[0]], first_seen[item.nodeid.split("::", 1)[0]]))

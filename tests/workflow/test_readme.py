@@ -24,7 +24,7 @@ MAX_README_LINES = 260
 # Command 1 installs the runtime lock, command 2 the test lock (the runtime plus the `test` extra): requirements/refresh.
 INSTALL = "pip install --require-hashes -r requirements/{} && pip install --no-deps -e . && "
 COMMANDS = (INSTALL.format("lock.txt") + "snakemake --cores 2",
-            INSTALL.format("test-lock.txt") + "python -m pytest -q -n 2 --dist loadfile")
+            INSTALL.format("test-lock.txt") + "python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder")
 
 FENCE = re.compile(r"^(```|~~~).*?^\1[^\n]*$", re.M | re.S)
 INLINE_CODE = re.compile(r"`[^`\n]*`")
