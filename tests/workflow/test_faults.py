@@ -74,7 +74,9 @@ def test_flipped_bits_in_outputs_are_rebuilt_not_recorded(workspace):
     assert_is_the_record(repo)
 
 
-@pytest.mark.parametrize("stage, after", [("train_dpo", 3.0), ("evaluate", 0.5)])
+# train_rm for the trainer (a torchrun stage like train_dpo, with fewer stages after it to rerun: judge, evaluate,
+# report; the kill and the rebuild are the same), evaluate for a plain one.
+@pytest.mark.parametrize("stage, after", [("train_rm", 3.0), ("evaluate", 0.5)])
 def test_a_stage_killed_mid_rerun_is_rebuilt_by_the_next_run(workspace, stage, after):
     """kill -9 of a stage's process during a rerun (an OOM, a node lost): Snakemake deletes the partial outputs and
     fails; the next plain run rebuilds them (metrics/*.json included, for evaluate) and the record is whole."""
@@ -350,7 +352,8 @@ def _running(pid: int) -> bool:
         return False
 
 
-@pytest.mark.parametrize("stage, sig", [("train_dpo", signal.SIGKILL), ("train_rm", signal.SIGINT)])
+# Both signals on train_rm (a torchrun stage: the orphaned-trainer case; train_dpo's reruns add generate).
+@pytest.mark.parametrize("stage, sig", [("train_rm", signal.SIGKILL), ("train_rm", signal.SIGINT)])
 def test_a_killed_snakemake_takes_its_stage_down_and_the_next_run_recovers(workspace, stage, sig):
     """Items 5 and 6: kill -9 (or Ctrl-C) of snakemake itself during a rerun. The orphaned torchrun trainer wrote
     every output after its snakemake was gone, and the next run stopped (LockException, IncompleteFilesException)

@@ -1,14 +1,16 @@
 """Iterative DPO end to end (issue 36): the embedded default with dpo.rounds 3, real Snakemake and DVC in a temporary
 git repository. Round 3's graded probe success (the embedded_colours grader, on the frozen probe no round samples
 from) beats round 1's with the lower 95% bound of the paired difference above 0; every round's parts are DVC stages
-recorded in dvc.lock; a second run does nothing; kill -9 of round 2's trainer, then a plain run: round 1 is not
-run again and the record is the uninterrupted run's, byte for byte."""
+recorded in dvc.lock; raising dpo.rounds from 2 to 3 runs round 3 only; the rounds' outputs and metrics are the
+committed rounds:3 record, bit for bit; a second run does nothing; kill -9 of round 2's trainer, then a plain run:
+round 1 is not run again and the record is the uninterrupted run's, byte for byte."""
 from __future__ import annotations
 
 import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -31,19 +33,59 @@ def set_rounds(repo, n: int) -> None:
     sh("python", "workflow/sync_dvc.py", cwd=repo)
 
 
+# The rounds:3 record (tests/workflow/rounds3_record.json): metrics/rounds.json and the outs dvc.lock records for
+# every round stage, as a fresh-clone run of the embedded default with dpo.rounds 3 gives them, bit for bit (the
+# CPU numerics are portable, docs/ARTIFACTS.md). `PREFPIPE_WRITE_ROUNDS_RECORD=1` rewrites it from this test's run
+# (after a change that alters the rounds' bytes, as dvc.lock is regenerated for the default).
+ROUNDS_RECORD = Path(__file__).with_name("rounds3_record.json")
+
+
+def rounds_record(repo) -> dict:
+    lock = yaml.safe_load((repo / "dvc.lock").read_text())["stages"]
+    outs = {out["path"]: out.get("md5") for name, entry in sorted(lock.items())
+            if name.startswith("round") for out in entry.get("outs", [])}
+    return {"metrics/rounds.json": json.loads((repo / "metrics/rounds.json").read_text()), "outs": outs}
+
+
+def ran_rules(output: str) -> set[str]:
+    return set(re.findall(r"(?m)^(?:local)?rule (\w+):", output)) - {"all"}
+
+
 @pytest.fixture(scope="module")
 def three_rounds(tmp_path_factory):
-    # From the session's finished default run (round 1 is that run's train_dpo / generate / judge): only rounds 2
-    # and 3 and what reads them (rounds_metrics, report) run here.
+    # From the session's finished default run (round 1 is that run's train_dpo / generate / judge): dpo.rounds 2,
+    # then raised to 3, as a user adds a round. Only the rounds' stages and what reads them (rounds_metrics,
+    # report) run here.
     repo, home = copy_finished_run(tmp_path_factory, tmp_path_factory.mktemp("rounds"))
+    set_rounds(repo, 2)
+    commit(repo, "dpo.rounds 2")
+    two = ran_rules(sh("snakemake", "--cores", "2", cwd=repo, home=home))
     set_rounds(repo, 3)
     commit(repo, "dpo.rounds 3")
-    sh("snakemake", "--cores", "2", cwd=repo, home=home)
-    return repo
+    three = ran_rules(sh("snakemake", "--cores", "2", cwd=repo, home=home))
+    return repo, two, three
+
+
+def test_raising_rounds_from_two_to_three_runs_round_three_only(three_rounds):
+    _, two, three = three_rounds
+    assert two == {f"round2_{part}" for part in ROUND_PARTS} | {"rounds_metrics", "report"}, two
+    assert three == {f"round3_{part}" for part in ROUND_PARTS} | {"rounds_metrics", "report"}, three
+
+
+def test_the_rounds_record_reproduces_bit_for_bit(three_rounds):
+    repo, _, _ = three_rounds
+    got = rounds_record(repo)
+    if os.environ.get("PREFPIPE_WRITE_ROUNDS_RECORD") == "1":
+        ROUNDS_RECORD.write_text(json.dumps(got, indent=1, sort_keys=True) + "\n")
+    want = json.loads(ROUNDS_RECORD.read_text())
+    differing = sorted(path for path in set(want["outs"]) | set(got["outs"])
+                       if want["outs"].get(path) != got["outs"].get(path))
+    assert not differing, f"round outputs differ from {ROUNDS_RECORD.name}: {differing}"
+    assert got["metrics/rounds.json"] == want["metrics/rounds.json"]
 
 
 def test_three_rounds_beat_one_by_the_grader(three_rounds):
-    repo = three_rounds
+    repo, _, _ = three_rounds
 
     record = json.loads((repo / "metrics/rounds.json").read_text())
     rounds = record["rounds"]
@@ -70,7 +112,7 @@ def test_three_rounds_beat_one_by_the_grader(three_rounds):
 
 
 def test_a_kill_in_round_two_reruns_from_round_two_and_ends_with_the_same_bytes(three_rounds):
-    repo = three_rounds
+    repo, _, _ = three_rounds
     lock, record = (repo / "dvc.lock").read_text(), (repo / "metrics/rounds.json").read_bytes()
     round1 = (repo / "results/train_dpo/model/model.safetensors").stat().st_mtime_ns
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
