@@ -208,11 +208,6 @@ def stage_changes(repo, recorded: dict) -> dict[str, dict]:
     return stale
 
 
-# The recorded files of an out or dep, and a file's md5 from its bytes: DVC's (dvc_adapter), named here too because
-# sync_dvc.py reads them from this module.
-recorded_files = dvc_adapter.recorded_files
-
-
 def content_md5(path: str) -> str:
     """The md5 DVC records for a file, from its bytes read now (never from DVC's state db, which trusts a file
     whose inode, mtime and size are unchanged, and an entry `dvc checkout` wrote from the cache object's name)."""

@@ -249,7 +249,7 @@ def read_inputs_changed(repo, built: list, producers: list) -> dict[str, tuple[s
     A file found so gets its true hash written into DVC's state db, so that `prefpipe status`, `dvc status` and the
     next run's start-up check see it as modified from now on."""
     import dvc_adapter
-    from integrity import content_md5, recorded_files
+    from integrity import content_md5
 
     owner = {out.fs_path: (stage.name, out) for stage in producers for out in stage.outs}
     found: dict[str, tuple[str, list[str]]] = {}
@@ -259,7 +259,7 @@ def read_inputs_changed(repo, built: list, producers: list) -> dict[str, tuple[s
             if hit is None:
                 continue
             producer, out = hit
-            for path, recorded in recorded_files(out):
+            for path, recorded in dvc_adapter.recorded_files(out):
                 rel = os.path.relpath(path, dvc_adapter.root_dir(repo))
                 if rel in found:
                     found[rel][1].append(stage.name)
