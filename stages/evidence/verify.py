@@ -32,7 +32,7 @@ from stages.evidence.generation import check_generation, generation_members
 from stages.evidence.records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
                                          record_problems)
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
-from stages.lib.layout import STAGE_OUTPUTS
+from stages.lib.layout import DEV_OUTPUTS, STAGE_OUTPUTS
 from stages.lib.stage_plan import TRAINED, bundle_artifacts
 from stages.lib.params import ABSENT, dotted_lookup, resolved_train
 
@@ -65,7 +65,7 @@ class Verdicts:
 
 # Every file report writes into a bundle beside the packed artifacts and curves (stages/report.py build_bundle).
 FIXED_MEMBERS = {MANIFEST, PARAMS, ENVIRONMENT, SUMMARY, f"{BUNDLE_ROOT}/{PROBE_SOURCES}"}
-LAYOUT_FILES = {path for outputs in STAGE_OUTPUTS.values() for path in outputs.values()}
+LAYOUT_FILES = {path for outputs in (*STAGE_OUTPUTS.values(), *DEV_OUTPUTS.values()) for path in outputs.values()}
 
 
 def _may_be_written(name: str) -> bool:

@@ -82,6 +82,7 @@ rule ref_logps:
         environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
+        dev_tokens=DEV_TOKENS,
         identity=REF_IDENTITY,
         code=code_deps("stages.ref_logps"),
     output:
@@ -108,6 +109,7 @@ rule ref_logps:
         " --identity {input.identity}"
         " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out {output.ref_logps} --environment {input.environment} --log {log.main} --perf {log.perf}"
+        + if_dev(" --dev-tokens {input.dev_tokens}")
 
 
 rule train_dpo:
@@ -117,6 +119,7 @@ rule train_dpo:
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
+        dev_tokens=DEV_TOKENS,
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_dpo"),
         defaults=defaults_input("train_dpo"),
@@ -126,6 +129,7 @@ rule train_dpo:
         run_info=OUT["train_dpo"]["run_info"],
         probe_step0=OUT["train_dpo"]["probe_step0"],
         probe_final=OUT["train_dpo"]["probe_final"],
+        **DEV_OUT["train_dpo"],
     params:
         cli_launch=LAUNCH,
         **rule_params(config, "train_dpo"),
@@ -146,6 +150,7 @@ rule train_dpo:
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo"
         " --environment {input.environment} --log {log.main} --perf {log.perf}"
+        + if_dev(" --dev-tokens {input.dev_tokens}")
 
 
 rule train_rm:
@@ -154,6 +159,7 @@ rule train_rm:
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
+        dev_tokens=DEV_TOKENS,
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_rm"),
         defaults=defaults_input("train_rm"),
@@ -163,6 +169,7 @@ rule train_rm:
         run_info=OUT["train_rm"]["run_info"],
         probe_step0=OUT["train_rm"]["probe_step0"],
         probe_final=OUT["train_rm"]["probe_final"],
+        **DEV_OUT["train_rm"],
     params:
         cli_launch=LAUNCH,
         **rule_params(config, "train_rm"),
@@ -182,3 +189,4 @@ rule train_rm:
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm"
         " --environment {input.environment} --log {log.main} --perf {log.perf}"
+        + if_dev(" --dev-tokens {input.dev_tokens}")
