@@ -100,9 +100,12 @@ def read_dev(manifest: dict, manifest_path: str, dev_path: str | None) -> list[d
     if not dev_path:
         raise TokenizeError(f"{manifest_path} freezes a dev split (probe.dev_size {manifest['dev']['size']}): --dev "
                             "and --dev-tokens are required")
+    d = manifest["dev"]
+    if not isinstance(d, dict) or any(k not in d for k in ("pair_ids", "content_hashes", "dev_digest")):
+        raise TokenizeError(f"{manifest_path}: not a valid probe manifest (its `dev` lacks pair_ids, content_hashes "
+                            "or dev_digest)")
     dev = read_parquet(dev_path).to_pylist()
     check_pairs(dev, dev_path)
-    d = manifest["dev"]
     check_probe_matches_manifest(dev, {"pair_ids": d["pair_ids"], "content_hashes": d["content_hashes"],
                                        "probe_digest": d["dev_digest"]}, dev_path, f"{manifest_path} (dev)")
     return dev

@@ -129,11 +129,6 @@ PROBE_MANIFEST_SCHEMA = {
                 "properties": {"tokenizer_identity": {"type": "string"}, "limits": {"type": "object"},
                                "skipped": {"type": "integer", "minimum": 0},
                                "skipped_by_reason": {"type": "object"}}},
-        # probe.dev_size > 0 only: the dev split frozen beside the probe (stages/freeze_probe.py select_dev).
-        "dev": {"type": "object", "required": ["size", "pair_ids", "content_hashes", "dev_digest",
-                                               "excluded_from_train"],
-                "properties": {"size": {"type": "integer", "minimum": 1}, "pair_ids": _HEX_LIST,
-                               "content_hashes": _HEX_LIST, "dev_digest": {"type": "string"}}},
     },
 }
 
