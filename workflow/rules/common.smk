@@ -44,13 +44,10 @@ CHAT_TEMPLATE_FILE = template_input(config["tokenize"])
 
 
 # The dev split (probe.dev_size > 0, issue 37): its outputs (stages/lib/layout.py DEV_OUTPUTS) join their stages'
-# outputs, and their flags the shell lines, only then; without one every rule, shell line and dvc.yaml entry is as
-# it was.
+# outputs, and their flags the shell lines (`cli_dev*` params, empty without one), only then; without one every
+# rule's outputs, shell line and dvc.yaml entry is as it was.
 DEV = uses_dev(config)
 DEV_OUT = {stage: outputs if DEV else {} for stage, outputs in DEV_OUTPUTS.items()}
 DEV_TOKENS = DEV_OUTPUTS["tokenize"]["dev_tokens"] if DEV else []
-
-
-def if_dev(flags: str) -> str:
-    """A shell-line piece present only with a dev split (appended: the line without one is unchanged)."""
-    return flags if DEV else ""
+# The training stages' and ref_logps' flag (a `cli_` param, set next to the line's last word: "" leaves it unchanged).
+CLI_DEV_TOKENS = f" --dev-tokens {DEV_TOKENS}" if DEV else ""

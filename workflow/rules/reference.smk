@@ -41,6 +41,8 @@ rule tokenize:
         **DEV_OUT["tokenize"],
     params:
         **rule_params(config, "tokenize"),
+        cli_dev=(f" --dev {DEV_OUTPUTS['freeze_probe']['dev']} --dev-tokens {DEV_OUTPUTS['tokenize']['dev_tokens']}"
+                 if DEV else ""),
     # The stage runs tokenize.workers processes (0 = all cores); Snakemake caps threads at --cores.
     threads: config["tokenize"].get("workers") or len(os.sched_getaffinity(0)),
     conda:
@@ -53,5 +55,4 @@ rule tokenize:
         "python -m stages.tokenize --params params.yaml --identity {input.identity} --train {input.train}"
         " --probe {input.probe} --probe-manifest {input.manifest} --train-tokens {output.train_tokens}"
         " --probe-tokens {output.probe_tokens} --probe-token-manifest {output.probe_token_manifest}"
-        " --report {output.report} --rejections {output.rejections} --log {log}"
-        + if_dev(" --dev {input.dev} --dev-tokens {output.dev_tokens}")
+        " --report {output.report} --rejections {output.rejections} --log {log}{params.cli_dev}"

@@ -91,6 +91,7 @@ rule ref_logps:
         cli_launch=LAUNCH,
         # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
         **rule_params(config, "ref_logps"),
+        cli_dev=CLI_DEV_TOKENS,
     resources:
         **TRAIN_RESOURCES,
     conda:
@@ -108,8 +109,8 @@ rule ref_logps:
         "{params.cli_launch} -m stages.ref_logps -- --params params.yaml"
         " --identity {input.identity}"
         " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " --out {output.ref_logps} --environment {input.environment} --log {log.main} --perf {log.perf}"
-        + if_dev(" --dev-tokens {input.dev_tokens}")
+        " --out {output.ref_logps} --environment {input.environment} --log {log.main}"
+        " --perf {log.perf}{params.cli_dev}"
 
 
 rule train_dpo:
@@ -133,6 +134,7 @@ rule train_dpo:
     params:
         cli_launch=LAUNCH,
         **rule_params(config, "train_dpo"),
+        cli_dev=CLI_DEV_TOKENS,
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
         cli_ref_logps=lambda w, input: f"--ref-logps {input.ref_logps}" if USES_REF_LOGPS else "",
     resources:
@@ -149,8 +151,7 @@ rule train_dpo:
         "{params.cli_launch} -m stages.train_dpo -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo"
-        " --environment {input.environment} --log {log.main} --perf {log.perf}"
-        + if_dev(" --dev-tokens {input.dev_tokens}")
+        " --environment {input.environment} --log {log.main} --perf {log.perf}{params.cli_dev}"
 
 
 rule train_rm:
@@ -173,6 +174,7 @@ rule train_rm:
     params:
         cli_launch=LAUNCH,
         **rule_params(config, "train_rm"),
+        cli_dev=CLI_DEV_TOKENS,
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
     resources:
         **TRAIN_RESOURCES,
@@ -188,5 +190,4 @@ rule train_rm:
         "{params.cli_launch} -m stages.train_rm -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm"
-        " --environment {input.environment} --log {log.main} --perf {log.perf}"
-        + if_dev(" --dev-tokens {input.dev_tokens}")
+        " --environment {input.environment} --log {log.main} --perf {log.perf}{params.cli_dev}"
