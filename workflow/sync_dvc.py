@@ -48,6 +48,15 @@ HEADER = (
 
 # The train-log columns each curve plots: a preference objective's (train_dpo, train_rm), sft's.
 PLOT_FIELDS = {"pairs": ["loss", "accuracy", "margin"], "sft": ["loss", "completion_logp"]}
+# The dev curve (train.eval_every; probe.dev_size > 0): the columns of a training stage's dev_log.csv.
+DEV_PLOT = ("dev_log.csv", ["accuracy", "margin", "sigmoid_loss"])
+
+
+def plot_definition(path: str) -> dict:
+    stage = Path(path).parent.name
+    if Path(path).name == DEV_PLOT[0]:
+        return {"x": "step", "y": list(DEV_PLOT[1]), "title": f"{stage} dev"}
+    return {"x": "step", "y": list(PLOT_FIELDS.get(stage, PLOT_FIELDS["pairs"])), "title": f"{stage} training"}
 
 def _param_key(name: str, value, config: dict) -> str:
     key = name.replace("__", ".")
@@ -145,8 +154,7 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
         # The one definition of each plot (a stage-level `plots:` entry as well would draw it twice).
         # y: the columns the stage's train log has (sft's objective logs the completions' log-prob, not a pair's
         # accuracy and margin: naming those made every `dvc plots diff` warn that the fields are missing).
-        doc["plots"] = [{p: {"x": "step", "y": list(PLOT_FIELDS.get(Path(p).parent.name, PLOT_FIELDS["pairs"])),
-                             "title": f"{Path(p).parent.name} training"}} for p in curves]
+        doc["plots"] = [{p: plot_definition(p)} for p in curves]
     body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)
     return HEADER + body
 
