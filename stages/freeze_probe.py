@@ -23,6 +23,13 @@ so train + probe + excluded == input, nothing lost silently. Fewer distinct prom
 probe.size is an error naming both numbers. Outputs (docs/ARTIFACTS.md): train.parquet sorted by
 pair_id, probe.parquet in manifest order, probe_manifest.json with the probe digest that later
 stages check.
+
+Dev split (probe.dev_size > 0; none by default, and then nothing here changes): the walk continued past the probe,
+taking the next probe.dev_size pairs of new prompts that fit, so the probe is the same pairs with or without it and
+no dev prompt is a probe prompt; every other pair sharing a dev prompt leaves train (`dev_prompt_leak`, listed in
+the manifest's `dev`). Written to --dev in walk order; training scores it to choose checkpoints (train.eval_every,
+train.select_best), so the probe stays untouched evidence. Fewer distinct prompts left after the probe than
+probe.dev_size is an error naming both numbers.
 """
 from __future__ import annotations
 
@@ -101,6 +108,7 @@ class ProbeSplit:
     train: pa.Table
     probe: pa.Table
     manifest: dict
+    dev: pa.Table | None = None        # probe.dev_size > 0: the dev split (manifest `dev`), else None
 
 
 # ==================================================================================================
@@ -157,6 +165,46 @@ def select_probe(order: Iterable[int], keys: Sequence, size: int,
     return probe_rows, skipped
 
 
+def _cached(fit_reasons):
+    """fit_reasons remembering each row's answer: the dev walk repeats the probe's (module doc), tokenizing nothing
+    twice."""
+    if fit_reasons is None:
+        return None
+    known: dict[int, str | None] = {}
+
+    def reasons(rows: list[int]) -> list[str | None]:
+        new = [i for i in rows if i not in known]
+        if new:
+            known.update(zip(new, fit_reasons(new)))
+        return [known[i] for i in rows]
+    return reasons
+
+
+def check_dev_prompts(n_prompts: int, size: int, dev_size: int, n_pairs: int, where: str) -> None:
+    if dev_size and n_prompts - size < dev_size:
+        raise ProbeError(f"{where}: probe.dev_size is {dev_size} but only {n_prompts - size} distinct prompts remain "
+                         f"after the probe's {size} ({n_prompts} distinct prompts, {n_pairs} pairs); the dev split "
+                         f"takes at most one pair per prompt and no probe prompt (lower probe.dev_size or probe.size, "
+                         f"or add data)")
+
+
+def select_dev(order: Sequence[int], keys: Sequence, size: int, dev_size: int, fit_reasons, probe_rows: list[int],
+               skipped: Counter, n_prompts: int, fit: "ProbeFit | None", where: str) -> tuple[list[int], Counter]:
+    """The dev split: the walk of select_probe continued past the probe (the same walk for size + dev_size rows, whose
+    first `size` are the probe), so the probe is the same pairs with or without a dev split and no dev prompt is a
+    probe prompt. Returns (dev rows in walk order, the reasons of the rows passed over after the probe's)."""
+    rows, all_skipped = select_probe(order, keys, size + dev_size, fit_reasons)
+    assert rows[:size] == probe_rows, "the dev walk must continue the probe's"
+    dev_rows, dev_skipped = rows[size:], all_skipped - skipped
+    if len(dev_rows) < dev_size:
+        limits = fit.limits.as_dict() if fit is not None else {}
+        raise ProbeError(f"{where}: only {len(dev_rows)} of the {n_prompts - size} distinct prompts left after the "
+                         f"probe have a pair that fits the tokenize limits "
+                         f"({', '.join(f'{k} {v}' for k, v in limits.items())}) but probe.dev_size is {dev_size}: "
+                         f"lower probe.dev_size or raise the tokenize limits")
+    return dev_rows, dev_skipped
+
+
 def _check_filled(probe_rows: list[int], skipped: Counter, n_prompts: int, size: int, fit: ProbeFit | None,
                   where: str) -> None:
     if len(probe_rows) < size:
@@ -168,9 +216,11 @@ def _check_filled(probe_rows: list[int], skipped: Counter, n_prompts: int, size:
                          f"(tokenize.truncation: keep_end_then_completion) or lower probe.size")
 
 
-def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs", fit: ProbeFit | None = None) -> ProbeSplit:
+def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs", fit: ProbeFit | None = None,
+                 dev_size: int = 0) -> ProbeSplit:
     """Split `pairs` (normalize's schema) into train and a `size`-pair probe; see the module doc. `fit`: the
-    probe takes only pairs tokenize keeps (None: every pair counts as fitting)."""
+    probe takes only pairs tokenize keeps (None: every pair counts as fitting). dev_size > 0: a dev split of that
+    many pairs beside it (select_dev), its prompts out of train too."""
     _check_pairs(pairs, where)
     pair_ids = pairs.column("pair_id").to_pylist()
     hashes = pairs.column("content_hash").to_pylist()
@@ -187,26 +237,52 @@ def freeze_probe(pairs: pa.Table, size: int, seed: int, where: str = "pairs", fi
         raise ProbeError(f"{where}: {n_prompts} distinct prompts ({len(pair_ids)} pairs) but probe.size "
                          f"is {size}; the probe takes at most one pair per prompt, so it needs at least "
                          f"{size} distinct prompts (lower probe.size or add data)")
+    check_dev_prompts(n_prompts, size, dev_size, len(pair_ids), where)
 
     order = sorted(range(len(pair_ids)), key=lambda i: (selection_rank(seed, pair_ids[i]), pair_ids[i]))
-    fit_reasons = None if fit is None else (lambda rows: fit.reasons(pairs.take(pa.array(rows, pa.int64())).select(
-        ["pair_id", "prompt", "chosen", "rejected"]).to_pylist()))
+    fit_reasons = _cached(None if fit is None else (lambda rows: fit.reasons(pairs.take(pa.array(rows, pa.int64())).select(
+        ["pair_id", "prompt", "chosen", "rejected"]).to_pylist())))
     probe_rows, skipped = select_probe(order, keys, size, fit_reasons)
     _check_filled(probe_rows, skipped, n_prompts, size, fit, where)
+    dev_rows, dev_skipped = (select_dev(order, keys, size, dev_size, fit_reasons, probe_rows, skipped, n_prompts, fit,
+                                        where) if dev_size else ([], Counter()))
     probe_keys = {keys[i] for i in probe_rows}
-    probe_set = set(probe_rows)
+    dev_keys = {keys[i] for i in dev_rows}
+    probe_set, dev_set = set(probe_rows), set(dev_rows)
     excluded_rows = sorted((i for i in range(len(pair_ids)) if i not in probe_set and keys[i] in probe_keys),
                            key=lambda i: pair_ids[i])
-    excluded_set = set(excluded_rows)
-    train_rows = sorted((i for i in range(len(pair_ids)) if i not in probe_set and i not in excluded_set),
+    dev_excluded = sorted((i for i in range(len(pair_ids)) if i not in dev_set and keys[i] in dev_keys),
+                          key=lambda i: pair_ids[i])
+    train_rows = sorted((i for i in range(len(pair_ids)) if keys[i] not in probe_keys and keys[i] not in dev_keys),
                         key=lambda i: pair_ids[i])
-    assert len(train_rows) + len(probe_rows) + len(excluded_rows) == len(pair_ids)
+    assert (len(train_rows) + len(probe_rows) + len(excluded_rows) + len(dev_rows) + len(dev_excluded)
+            == len(pair_ids))
 
     probe = pairs.take(pa.array(probe_rows, pa.int64()))
     train = pairs.take(pa.array(train_rows, pa.int64()))
     manifest = probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, len(train_rows),
                               None if fit is None else fit.record(skipped))
-    return ProbeSplit(train=train, probe=probe, manifest=manifest)
+    if dev_size:
+        manifest["dev"] = dev_manifest(dev_size, pair_ids, hashes, dev_rows, dev_excluded, dev_skipped, fit)
+    return ProbeSplit(train=train, probe=probe, manifest=manifest,
+                      dev=pairs.take(pa.array(dev_rows, pa.int64())) if dev_size else None)
+
+
+DEV_SELECTION = ("the pairs the probe's walk takes next, after the probe's size: one per normalized prompt, no probe "
+                 "prompt")
+DEV_LEAK = "dev_prompt_leak"
+
+
+def dev_manifest(dev_size: int, pair_ids, hashes, dev_rows, excluded_rows, skipped: Counter,
+                 fit: "ProbeFit | None") -> dict:
+    """probe_manifest.json's `dev` (probe.dev_size > 0 only, so a manifest without a dev split is as it was)."""
+    ids = [pair_ids[i] for i in dev_rows]
+    content = [hashes[i] for i in dev_rows]
+    return {"size": dev_size, "selection": DEV_SELECTION + (FIT_SELECTION if fit is not None else ""),
+            "pair_ids": ids, "content_hashes": content, "dev_digest": probe_digest(ids, content),
+            **({"fit_skipped": sum(skipped.values()), "fit_skipped_by_reason": dict(sorted(skipped.items()))}
+               if fit is not None else {}),
+            "excluded_from_train": [{"pair_id": pair_ids[i], "reason": DEV_LEAK} for i in excluded_rows]}
 
 
 def probe_manifest(size: int, seed: int, pair_ids, hashes, probe_rows, excluded_rows, train_pairs: int,
@@ -260,7 +336,8 @@ def _rows_at(pairs_path: str, pf, rows: list[int], chunk_rows: int) -> list[dict
 
 
 def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str, probe_path: str,
-                      chunk_rows: int = DEFAULT_CHUNK_ROWS, fit: ProbeFit | None = None) -> dict:
+                      chunk_rows: int = DEFAULT_CHUNK_ROWS, fit: ProbeFit | None = None, dev_size: int = 0,
+                      dev_path: str | None = None) -> dict:
     """freeze_probe() on the parquet at `pairs_path`, written to train_path / probe_path as it goes;
     returns the manifest. Two passes over the file (and one more per window of candidates `fit` is asked
     about: one when most fit); between them only per-row pair IDs, 16-byte prompt key digests and selection
@@ -315,9 +392,11 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
         raise bad_prompt
     seen.clear()
     if not in_order:  # not normalize's order: the in-memory split sorts it (inputs a person made)
-        split = freeze_probe(read_parquet(pairs_path), size=size, seed=seed, where=where, fit=fit)
+        split = freeze_probe(read_parquet(pairs_path), size=size, seed=seed, where=where, fit=fit, dev_size=dev_size)
         write_parquet(train_path, split.train)
         write_parquet(probe_path, split.probe)
+        if dev_size:
+            write_parquet(dev_path, split.dev)
         return split.manifest
 
     key_array = np.array(keys, dtype="S16")
@@ -327,37 +406,53 @@ def freeze_probe_file(pairs_path: str, size: int, seed: int, *, train_path: str,
         raise ProbeError(f"{where}: {n_prompts} distinct prompts ({len(pair_ids)} pairs) but probe.size "
                          f"is {size}; the probe takes at most one pair per prompt, so it needs at least "
                          f"{size} distinct prompts (lower probe.size or add data)")
+    check_dev_prompts(n_prompts, size, dev_size, len(pair_ids), where)
     # Ranks are sha256 hex digests: their bytes sort as the hex strings do; pair IDs are unique here.
     ranks = np.array([hashlib.sha256(f"{seed}:{pid}".encode()).digest() for pid in pair_ids], dtype="S32")
-    fit_reasons = None if fit is None else (lambda rows: fit.reasons(_rows_at(pairs_path, pf, rows, chunk_rows)))
-    probe_rows, skipped = select_probe((int(i) for i in np.argsort(ranks, kind="stable")), key_array, size,
-                                       fit_reasons)
+    fit_reasons = _cached(None if fit is None else (lambda rows: fit.reasons(_rows_at(pairs_path, pf, rows, chunk_rows))))
+    order = [int(i) for i in np.argsort(ranks, kind="stable")]
+    probe_rows, skipped = select_probe(order, key_array, size, fit_reasons)
     _check_filled(probe_rows, skipped, n_prompts, size, fit, where)
+    dev_rows, dev_skipped = (select_dev(order, key_array, size, dev_size, fit_reasons, probe_rows, skipped, n_prompts,
+                                        fit, where) if dev_size else ([], Counter()))
     probe_keys = {key_array[i] for i in probe_rows}
-    del ranks
+    dev_keys = {key_array[i] for i in dev_rows}
+    del ranks, order
     probe_pos = {row: k for k, row in enumerate(probe_rows)}
-    train_mask = ~np.isin(key_array, np.array(sorted(probe_keys), dtype="S16"))
-    excluded_rows = [int(i) for i in np.flatnonzero(~train_mask) if int(i) not in probe_pos]
-    assert int(train_mask.sum()) + len(probe_rows) + len(excluded_rows) == len(pair_ids)
+    dev_pos = {row: k for k, row in enumerate(dev_rows)}
+    in_probe = np.isin(key_array, np.array(sorted(probe_keys), dtype="S16"))
+    in_dev = np.isin(key_array, np.array(sorted(dev_keys), dtype="S16"))
+    train_mask = ~(in_probe | in_dev)
+    excluded_rows = [int(i) for i in np.flatnonzero(in_probe) if int(i) not in probe_pos]
+    dev_excluded = [int(i) for i in np.flatnonzero(in_dev) if int(i) not in dev_pos]
+    assert (int(train_mask.sum()) + len(probe_rows) + len(excluded_rows) + len(dev_rows) + len(dev_excluded)
+            == len(pair_ids))
 
-    probe_parts: list[tuple[list[int], pa.Table]] = []  # (probe positions, their rows) per batch
+    parts: dict[str, list[tuple[list[int], pa.Table]]] = {"probe": [], "dev": []}  # (positions, their rows) per batch
     start = 0
     with ParquetStreamWriter(train_path, pf.schema_arrow) as train_out:
         for batch in iter_parquet_batches(pairs_path, chunk_rows, parquet_file=pf):
             n = batch.num_rows
             train_out.write(batch.filter(pa.array(train_mask[start:start + n])))
-            local = [r - start for r in range(start, start + n) if r in probe_pos]
-            if local:
-                probe_parts.append(([probe_pos[start + r] for r in local],
-                                    pa.Table.from_batches([batch.take(pa.array(local, pa.int64()))])))
+            for split, pos in (("probe", probe_pos), ("dev", dev_pos)):
+                local = [r - start for r in range(start, start + n) if r in pos]
+                if local:
+                    parts[split].append(([pos[start + r] for r in local],
+                                         pa.Table.from_batches([batch.take(pa.array(local, pa.int64()))])))
             start += n
-    positions = [p for ps, _ in probe_parts for p in ps]
-    probe = pa.concat_tables([t for _, t in probe_parts]) if probe_parts else pf.schema_arrow.empty_table()
-    order = sorted(range(len(positions)), key=positions.__getitem__)
-    write_parquet(probe_path, probe.take(pa.array(order, pa.int64())).combine_chunks())
+    for split, path in (("probe", probe_path), ("dev", dev_path if dev_size else None)):
+        if path is None:
+            continue
+        positions = [p for ps, _ in parts[split] for p in ps]
+        table = pa.concat_tables([t for _, t in parts[split]]) if parts[split] else pf.schema_arrow.empty_table()
+        order = sorted(range(len(positions)), key=positions.__getitem__)
+        write_parquet(path, table.take(pa.array(order, pa.int64())).combine_chunks())
 
-    return probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, int(train_mask.sum()),
-                          None if fit is None else fit.record(skipped))
+    manifest = probe_manifest(size, seed, pair_ids, hashes, probe_rows, excluded_rows, int(train_mask.sum()),
+                              None if fit is None else fit.record(skipped))
+    if dev_size:
+        manifest["dev"] = dev_manifest(dev_size, pair_ids, hashes, dev_rows, dev_excluded, dev_skipped, fit)
+    return manifest
 
 
 # ==================================================================================================
@@ -379,23 +474,34 @@ def _arguments(ap) -> None:
     ap.add_argument("--train", required=True, help="train.parquet to write")
     ap.add_argument("--probe", required=True, help="probe.parquet to write")
     ap.add_argument("--manifest", required=True, help="probe_manifest.json to write")
+    ap.add_argument("--dev", help="dev.parquet to write (required when probe.dev_size > 0, refused otherwise)")
 
 
 def _run(args) -> int:
     log = logging.getLogger("freeze_probe")
     params = load_stage_params(args.params, "freeze_probe")
     cfg = params["probe"]
+    dev_size = cfg.get("dev_size", 0)
+    if bool(dev_size) != bool(args.dev):
+        raise ProbeError(f"probe.dev_size is {dev_size}: " + ("--dev (the dev split's parquet) is required" if dev_size
+                                                                else "--dev is given but there is no dev split"))
     fit = load_fit(args.identity, params["tokenize"])
     m = freeze_probe_file(args.pairs, size=cfg["size"], seed=cfg["seed"], train_path=args.train,
-                          probe_path=args.probe, fit=fit)
+                          probe_path=args.probe, fit=fit, dev_size=dev_size, dev_path=args.dev)
     write_json(args.manifest, m)  # last: its presence means the split is complete
     if m["fit"]["skipped"]:
         log.info("probe: %d pairs reached in rank order do not fit the tokenize limits %s and stay in train: %s",
                  m["fit"]["skipped"], canonical_json(m["fit"]["limits"]), canonical_json(m["fit"]["skipped_by_reason"]))
     n = m["train_pairs"] + len(m["pair_ids"]) + len(m["excluded_from_train"])
+    if dev_size:
+        n += len(m["dev"]["pair_ids"]) + len(m["dev"]["excluded_from_train"])
     log.info("%d pairs in: probe %d (seed %d, digest %s), train %d, excluded from train %d (%s)",
              n, len(m["pair_ids"]), m["seed"], m["probe_digest"], m["train_pairs"],
              len(m["excluded_from_train"]), LEAK)
+    if dev_size:
+        d = m["dev"]
+        log.info("dev split %d pairs (digest %s), excluded from train %d (%s)", len(d["pair_ids"]), d["dev_digest"],
+                 len(d["excluded_from_train"]), DEV_LEAK)
     return 0
 
 

@@ -5,7 +5,7 @@
         --out results/ref_logps/ref_logps.parquet --environment results/env/environment.json \\
         --log logs/ref_logps.log --perf logs/ref_logps.perf.json
 
-Columns: pair_id, split (train|probe), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
+Columns: pair_id, split (train|probe, and dev with --dev-tokens: probe.dev_size > 0), ref_chosen_logp, ref_rejected_logp (float64, temperature 1),
 token_hash (of the token row scored, so DPO training refuses log-probs of stale tokens); the footer carries a digest
 of the values (stages/lib/ref_logps_table.py write_ref_logps), checked where train_dpo reads them.
 Packing, prompt sharing, chunking, precision and compile follow params `train` exactly as train_dpo's probe pass
@@ -22,8 +22,8 @@ from stages.engine.modeling import ModelLoadError, SequenceLogProbs, load_causal
 from stages.lib.ref_logps_table import ref_logps_table, write_ref_logps
 from stages.lib.cli import exit_after_success
 from stages.lib.declared_params import load_stage_params
-from stages.engine.cli import (add_common_args, engine_stage_main, load_stage_tokens, resolve_model_dir,
-                               stage_environment)
+from stages.engine.cli import (add_common_args, add_dev_args, engine_stage_main, load_dev_tokens, load_stage_tokens,
+                               resolve_model_dir, stage_environment)
 from stages.engine.data import run_inference
 from stages.engine.dist import compute_dtype, disable_dropout, init_distributed, shutdown_distributed
 from stages.engine import startup
@@ -34,6 +34,7 @@ log = logging.getLogger("ref_logps")
 
 def _arguments(parser) -> None:
     add_common_args(parser)
+    add_dev_args(parser)
     parser.add_argument("--out", required=True, help="ref_logps.parquet")
 
 
@@ -49,6 +50,7 @@ def _run(args) -> None:
         startup.mark("environment")
         model_dir = resolve_model_dir(args)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
+        dev_pairs = load_dev_tokens(model_dir, args.dev_tokens)     # probe.dev_size > 0 only
         startup.mark("tokens")
         # Loaded in fp32 (on the GPU directly when there is one) and cast there: the same values, buffers
         # included, as the policy's fp32 load and cast, so every step-0 pair ties exactly.
@@ -65,7 +67,8 @@ def _run(args) -> None:
         # The probe split first: like train_dpo's step-0 probe pass before its timed loop, it takes the
         # process's first-use costs (CUDA kernel loading, GEMM heuristics, allocator growth), so the train
         # split's logged pass time is the reference pass itself. The table keeps train, then probe rows.
-        for split, pairs in (("probe", probe_pairs), ("train", train_pairs)):
+        dev = [("dev", dev_pairs)] if dev_pairs is not None else []
+        for split, pairs in (("probe", probe_pairs), ("train", train_pairs), *dev):
             t0 = time.perf_counter()
             logps = run_inference(reference, pairs, env, settings, desc=f"ref_logps {split}")
             seconds = time.perf_counter() - t0      # run_inference ends with a host read: the GPU is done
@@ -79,7 +82,9 @@ def _run(args) -> None:
                 perf[split] = {"pass_seconds": round(seconds, 3), "tokens": tokens,
                                "tokens_per_s": round(tokens / max(seconds, 1e-9), 1)}
         if env.is_main:
-            write_ref_logps(Path(args.out), ref_logps_table([splits["train"], splits["probe"]]))
+            # A dev split's rows after the probe's (a table without one is as it was).
+            write_ref_logps(Path(args.out), ref_logps_table([splits["train"], splits["probe"],
+                                                             *([splits["dev"]] if dev else [])]))
             log.info("wrote %s", args.out)
             if args.perf:
                 # Process start to the first pass, by phase (stages/engine/startup.py).

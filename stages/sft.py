@@ -51,10 +51,14 @@ log = logging.getLogger("sft")
 SFT_DATA_FORMAT = "prefpipe-sft-data/1"
 
 
+DEV_KEYS = ("eval_every", "select_best")
+
+
 def sft_train_params(params: dict) -> dict:
     """`train` as the sft stage runs it (`sft.train`'s keys over `train`'s), the one section TrainSettings reads."""
     overrides = (params.get("sft") or {}).get("train") or {}
-    return {"train": {**params["train"], **overrides}}
+    # SFT examples have no pair to score a dev split with: train.eval_every / select_best are the preference stages'.
+    return {"train": {k: v for k, v in {**params["train"], **overrides}.items() if k not in DEV_KEYS}}
 
 
 def sft_settings(params: dict) -> TrainSettings:

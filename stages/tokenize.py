@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from itertools import chain
 from pathlib import Path
@@ -88,11 +89,33 @@ def check_probe_matches_manifest(probe_pairs: list[dict], manifest: dict, probe_
                             f"{manifest['probe_digest']}")
 
 
-def check_probe_complete(rejections: list[dict], pairs_in: int, limits: TokenizeLimits) -> None:
+def read_dev(manifest: dict, manifest_path: str, dev_path: str | None) -> list[dict]:
+    """The dev split freeze_probe froze beside the probe (its manifest's `dev`), checked as the probe is; [] when
+    there is none (then --dev must not be given)."""
+    if "dev" not in manifest:
+        if dev_path:
+            raise TokenizeError(f"--dev {dev_path} is given but {manifest_path} freezes no dev split "
+                                "(probe.dev_size 0)")
+        return []
+    if not dev_path:
+        raise TokenizeError(f"{manifest_path} freezes a dev split (probe.dev_size {manifest['dev']['size']}): --dev "
+                            "and --dev-tokens are required")
+    d = manifest["dev"]
+    if not isinstance(d, dict) or any(k not in d for k in ("pair_ids", "content_hashes", "dev_digest")):
+        raise TokenizeError(f"{manifest_path}: not a valid probe manifest (its `dev` lacks pair_ids, content_hashes "
+                            "or dev_digest)")
+    dev = read_parquet(dev_path).to_pylist()
+    check_pairs(dev, dev_path)
+    check_probe_matches_manifest(dev, {"pair_ids": d["pair_ids"], "content_hashes": d["content_hashes"],
+                                       "probe_digest": d["dev_digest"]}, dev_path, f"{manifest_path} (dev)")
+    return dev
+
+
+def check_probe_complete(rejections: list[dict], pairs_in: int, limits: TokenizeLimits, split: str = "probe") -> None:
     if rejections:
         listed = "\n  ".join(f"{r['pair_id']} ({r['reason']}: {r['detail']})" for r in rejections)
         raise TokenizeError(
-            f"{len(rejections)} of {pairs_in} probe pairs cannot be tokenized under "
+            f"{len(rejections)} of {pairs_in} {split} pairs cannot be tokenized under "
             f"max_length={limits.max_length}, max_prompt_length={limits.max_prompt_length}, "
             f"truncation={limits.truncation}; the frozen probe must be scored whole, so raise the "
             f"limits (or re-freeze a probe from data that fits):\n  {listed}")
@@ -320,6 +343,7 @@ class TokenizeOutputs:
     probe_token_manifest: str | Path
     report: str | Path
     rejections: str | Path
+    dev_tokens: str | Path | None = None   # probe.dev_size > 0: the dev split's tokens (the manifest's `dev`)
 
 
 def read_probe_manifest(manifest_path: str) -> dict:
@@ -331,7 +355,8 @@ def read_probe_manifest(manifest_path: str) -> dict:
 
 def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: str, probe_path: str,
                       manifest_path: str, out: TokenizeOutputs, log, *, workers: int = 1,
-                      chunk_pairs: int = DEFAULT_CHUNK_PAIRS, tok_params: dict | None = None) -> dict:
+                      chunk_pairs: int = DEFAULT_CHUNK_PAIRS, tok_params: dict | None = None,
+                      dev_path: str | None = None) -> dict:
     """The stage, from its input files to its outputs; returns the report. `workers` is the most processes to use
     (plan_pool sizes the pool to the input); `chunk_pairs` the most train pairs per work unit; `tok_params`:
     params.yaml's tokenize section, for its chat_template (None: the default, the tokenizer's own)."""
@@ -339,6 +364,7 @@ def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: s
     probe = read_parquet(probe_path).to_pylist()  # the probe is small (probe.size pairs) and is scored whole
     check_pairs(probe, probe_path)
     check_probe_matches_manifest(probe, manifest, probe_path, manifest_path)
+    dev = read_dev(manifest, manifest_path, dev_path)    # probe.dev_size > 0 only; scored whole like the probe
 
     tok_identity = tokenizer_identity(tokenizer_dir)
     pair_tokenizer = pair_tokenizer_for(load_tokenizer(tokenizer_dir), tok_params)
@@ -353,33 +379,43 @@ def tokenize_to_files(limits: TokenizeLimits, tokenizer_dir: Path, train_path: s
     check_probe_fit(manifest, manifest_path, tok_identity, limits, chat_template)
     train_file = open_parquet(train_path)
     plan = plan_pool(train_file.metadata.num_rows, len(probe), resolve_workers(workers), chunk_pairs)
-    integrity = _TrainIntegrity(train_path, {p["pair_id"] for p in probe})
-    tally = {"train": SplitTally(), "probe": SplitTally(keep_records=True)}
+    integrity = _TrainIntegrity(train_path, {p["pair_id"] for p in probe + dev})
+    tally = {"train": SplitTally(), "probe": SplitTally(keep_records=True),
+             **({"dev": SplitTally(keep_records=True)} if dev else {})}
     probe_rows: list[dict] = []
     # The probe's pieces first (they share the pool with the first train chunks): an incomplete probe is refused
     # before any train chunk is written.
     jobs = chain(((probe[lo:lo + plan.probe_chunk], limits, "probe") for lo in range(0, len(probe), plan.probe_chunk)),
+                 ((dev[lo:lo + plan.probe_chunk], limits, "dev") for lo in range(0, len(dev), plan.probe_chunk)),
                  ((batch, limits, "train") for batch in iter_parquet_batches(train_path, plan.train_chunk,
                                                                               parquet_file=train_file)))
     probe_checked = False
     with fork_pool(plan.processes, pair_tokenizer=pair_tokenizer) as pool, \
             ParquetStreamWriter(out.train_tokens, TOKENS_SCHEMA) as tokens_out, \
             ParquetStreamWriter(out.rejections, REJECTIONS_SCHEMA) as rejections_out, \
-            ParquetStreamWriter(out.probe_tokens, TOKENS_SCHEMA) as probe_out:
+            ParquetStreamWriter(out.probe_tokens, TOKENS_SCHEMA) as probe_out, \
+            (ParquetStreamWriter(out.dev_tokens, TOKENS_SCHEMA) if dev else nullcontext()) as dev_out:
         for (pairs, _, split), chunk in ordered_results(pool, tokenize_chunk, jobs, plan.processes):
             tally[split].add(chunk)
             if split == "probe":
                 probe_out.write(chunk.tokens)
                 probe_rows += chunk.tokens.select(["pair_id", "token_hash"]).to_pylist()
                 continue
+            if split == "dev":
+                dev_out.write(chunk.tokens)
+                continue
             if not probe_checked:
                 check_probe_complete(tally["probe"].rejections, len(probe), limits)
+                if dev:
+                    check_probe_complete(tally["dev"].rejections, len(dev), limits, "dev")
                 probe_checked = True
             integrity.add(pairs, chunk.content_mismatches)
             tokens_out.write(chunk.tokens)
             rejections_out.write(chunk.rejections)
         # Raised inside the writers' block: on bad input no output file appears.
         check_probe_complete(tally["probe"].rejections, len(probe), limits)
+        if dev:
+            check_probe_complete(tally["dev"].rejections, len(dev), limits, "dev")
         integrity.check()
 
     truncations = tally["probe"].truncations
@@ -405,6 +441,8 @@ def _arguments(ap) -> None:
     ap.add_argument("--probe-token-manifest", required=True)
     ap.add_argument("--report", required=True)
     ap.add_argument("--rejections", required=True)
+    ap.add_argument("--dev", help="dev.parquet (probe.dev_size > 0: the manifest freezes a dev split)")
+    ap.add_argument("--dev-tokens", help="dev_tokens.parquet to write (with --dev)")
     ap.add_argument("--chunk-pairs", type=int, default=DEFAULT_CHUNK_PAIRS,
                     help="train pairs per work unit (memory / parallelism only; the outputs do not depend on it)")
 
@@ -417,10 +455,12 @@ def _run(args) -> None:
     tokenizer_dir = load_verified_dir(args.identity)
     limits = load_limits(params, tokenizer_dir)
     workers = resolve_workers(params.get("workers", 0))
+    if bool(args.dev) != bool(args.dev_tokens):
+        raise TokenizeError("--dev and --dev-tokens go together (the dev split and its tokens)")
     out = TokenizeOutputs(args.train_tokens, args.probe_tokens, args.probe_token_manifest, args.report,
-                          args.rejections)
+                          args.rejections, args.dev_tokens)
     report = tokenize_to_files(limits, Path(tokenizer_dir), args.train, args.probe, args.probe_manifest, out, log,
-                               workers=workers, chunk_pairs=args.chunk_pairs, tok_params=params)
+                               workers=workers, chunk_pairs=args.chunk_pairs, tok_params=params, dev_path=args.dev)
     train, probe = report["splits"]["train"], report["splits"]["probe"]
     for warning in length_loss_warnings(report["splits"], limits):
         log.warning("data lost to length: %s", warning)
@@ -428,6 +468,8 @@ def _run(args) -> None:
     log.info("train: %d pairs in, %d out, %d rejected %s, %d truncated; probe: %d pairs, digest %s",
              train["pairs_in"], train["pairs_out"], train["rejected"], canonical_json(train["rejected_by_reason"]),
              train["truncated"], probe["pairs_out"], read_json(args.probe_token_manifest)["token_digest"])
+    if "dev" in report["splits"]:
+        log.info("dev: %d pairs, %d truncated", report["splits"]["dev"]["pairs_out"], report["splits"]["dev"]["truncated"])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,9 @@ The policy starts from the verified reference directory; the reference model its
 --init-model DIR (an iterative DPO round k >= 2, issue 36): the policy starts from DIR instead (the previous round's
 export), trained with `rounds.train`'s keys over `train`'s; the checkpoints' run identity names DIR's digest beside
 the reference's, so a resume never takes another round's state.
-Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_final.jsonl}.
+Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_final.jsonl}, and with --dev-tokens
+(probe.dev_size > 0) OUT_DIR/dev_log.csv: the dev split scored at step 0, every train.eval_every steps and at the end
+(train.select_best: the best of those steps is exported). A round k >= 2 scores no dev split.
 """
 from __future__ import annotations
 
@@ -28,8 +30,9 @@ from stages.engine.dpo_objective import DPOObjective
 from stages.lib.ref_logps_table import RefLogpsError, read_ref_logps, ref_logps_for
 from stages.lib.cli import exit_after_success
 from stages.lib.declared_params import load_stage_params
-from stages.engine.cli import (add_checkpoint_args, add_common_args, checkpoint_options, engine_stage_main,
-                               load_stage_tokens, resolve_model_dir, stage_environment)
+from stages.engine.cli import (add_checkpoint_args, add_common_args, add_dev_args, checkpoint_options,
+                               dev_settings, engine_stage_main, load_dev_tokens, load_stage_tokens, resolve_model_dir,
+                               stage_environment)
 from stages.engine.dist import init_distributed, shutdown_distributed
 from stages.engine.export import ExportError
 from stages.engine.loop import train
@@ -40,6 +43,7 @@ from stages.engine.settings import TrainConfigError, TrainSettings
 
 def _arguments(parser) -> None:
     add_common_args(parser)
+    add_dev_args(parser)
     parser.add_argument("--ref-logps", help="ref_logps.parquet (required for dpo.objective: dpo)")
     parser.add_argument("--out-dir", required=True)
     add_checkpoint_args(parser)
@@ -61,7 +65,8 @@ def _run(args) -> dict:
     # A round after the first (--init-model) also reads `rounds.train`: its own declaration.
     params = load_stage_params(args.params, "round_train_dpo" if args.init_model else "train_dpo")
     # refuses temperature != 1 before anything is built
-    settings = TrainSettings.from_params(round_train_params(params) if args.init_model else params)
+    settings = dev_settings(TrainSettings.from_params(round_train_params(params) if args.init_model else params),
+                            args.dev_tokens, rounds=bool(args.init_model))
     dpo = params["dpo"]
     check_dpo_params(dpo)                               # refuse an impossible loss setting before anything is built
     if dpo["objective"] == "dpo" and not args.ref_logps:
@@ -82,11 +87,14 @@ def _run(args) -> dict:
             check_same_vocabulary(load_tokenizer(model_dir), load_tokenizer(start_dir), "--init-model", start_dir,
                                   model_dir)
         train_pairs, probe_pairs = load_stage_tokens(model_dir, args.train_tokens, args.probe_tokens)
+        dev_pairs = load_dev_tokens(model_dir, args.dev_tokens)
         ref = None
         if dpo["objective"] == "dpo":
             table = read_ref_logps(args.ref_logps)
             ref = {"train": ref_logps_for(table, "train", train_pairs, args.ref_logps),
-                   "probe": ref_logps_for(table, "probe", probe_pairs, args.ref_logps)}
+                   "probe": ref_logps_for(table, "probe", probe_pairs, args.ref_logps),
+                   **({"dev": ref_logps_for(table, "dev", dev_pairs, args.ref_logps)} if dev_pairs is not None
+                      else {})}
         elif args.ref_logps:
             log.info("dpo_ref_free: --ref-logps %s is not read", args.ref_logps)
         startup.mark("tokens")                         # (and the reference log-probs)
@@ -95,7 +103,7 @@ def _run(args) -> dict:
             checkpoint = replace(checkpoint, reference={**checkpoint.reference,
                                                         "init_model": directory_digest(start_dir)})
         return train(DPOObjective(dpo, ref), settings, env, model_dir=start_dir, train_pairs=train_pairs,
-                     probe_pairs=probe_pairs, out_dir=args.out_dir, checkpoint=checkpoint,
+                     probe_pairs=probe_pairs, dev_pairs=dev_pairs, out_dir=args.out_dir, checkpoint=checkpoint,
                      environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir, params.get("tokenize")))
     finally:
         shutdown_distributed()

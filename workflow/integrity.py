@@ -40,6 +40,8 @@ from typing import Iterator
 
 import yaml
 
+import dvc_adapter
+
 ROOT = Path(__file__).resolve().parents[1]
 LOCKFILE = "dvc.lock"
 # Set by the processes that must not take DVC's lock or force reruns: `dvc repro`'s own stage commands
@@ -134,38 +136,30 @@ def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
     if not (root / ".dvc").is_dir():
         yield None
         return
-    try:
-        from dvc.lock import LockError
-        from dvc.repo import Repo, lock_repo
-    except ImportError:       # DVC is optional for a Snakemake-only user
+    if not dvc_adapter.installed():       # DVC is optional for a Snakemake-only user
         yield None
         return
-    from dvc.exceptions import DvcException
     with contextlib.chdir(root):
         try:
-            repo = Repo(".")
-        except DvcException as e:      # e.g. .dvc/ without git (a tarball of the repository): DVC cannot work here
+            repo = dvc_adapter.open_repo(root)
+        except dvc_adapter.CannotOpen as e:    # e.g. .dvc/ without git (a tarball of the repository): DVC can't work
             print(f"integrity: hashes not checked and dvc.lock not written: DVC cannot open {root} "
-                  f"({str(e).splitlines()[0]})", file=sys.stderr, flush=True)
+                  f"({e})", file=sys.stderr, flush=True)
             yield None
             return
-    with contextlib.chdir(root), repo:
+    with contextlib.chdir(root), dvc_adapter.opened(repo):
         handed = inherited_lock(root)
         if handed is not None:
-            from dvc.lock import LockNoop
             repo.prefpipe_lock_fd = handed
-            repo.lock = LockNoop()          # held through `handed`: DVC's own asserts (rwlocked) see it as locked
-            repo.lock.lock()
-            repo._lock_depth = 1            # and a @locked DVC call inside does not lock again
+            dvc_adapter.adopt_held_lock(repo)       # held through `handed`: DVC sees the repository as locked
             try:
                 yield repo
             finally:
                 os.close(handed)      # never LOCK_UN: the process that handed it on still holds it
             return
         try:
-            ctx = lock_repo(repo)
-            ctx.__enter__()
-        except LockError as e:
+            release = dvc_adapter.take_lock(repo)
+        except dvc_adapter.LockBusy as e:
             raise IntegrityError(
                 f"another DVC or Snakemake process holds this repository's lock ({root / '.dvc/tmp/lock'}): "
                 "wait for that `dvc repro` / `snakemake` run to finish (two runs at once would write the same "
@@ -176,10 +170,10 @@ def dvc_session(root: Path = ROOT, hold: bool = True) -> Iterator:
                 raise IntegrityError(f"`dvc repro` is running a stage in this repository ({running}, in "
                                      f"{root / '.dvc/tmp/rwlock'}): wait for it to finish (two runs at once would "
                                      "write the same outputs)")
-            repo.prefpipe_lock_fd = repo.lock._lock._fp.fileno() if getattr(repo.lock, "_lock", None) else None
+            repo.prefpipe_lock_fd = dvc_adapter.lock_fd(repo)
             yield repo
         finally:
-            ctx.__exit__(None, None, None)
+            release()
 
 
 def stage_changes(repo, recorded: dict) -> dict[str, dict]:
@@ -189,53 +183,35 @@ def stage_changes(repo, recorded: dict) -> dict[str, dict]:
     modified directory dep or out (when its recorded listing is in DVC's cache). Workspace status, not `dvc status`'s: that reports an out
     whose object is absent from the cache as 'not in cache' whatever its bytes (a fresh clone's state)."""
     stale = {}
-    for stage in repo.index.stages:
-        if getattr(stage, "name", None) not in recorded:
+    for stage in dvc_adapter.pipeline_stages(repo):
+        if stage.name not in recorded:
             continue                        # never recorded: Snakemake's own rules decide
         changes: dict = {"deps": {}, "params": {}, "outs": {}, "files": {}, "other": []}
         for kind, items in (("deps", stage.deps), ("outs", stage.outs)):
             for item in items:
-                for path, change in item.workspace_status().items():
+                for path, change in dvc_adapter.workspace_status(item).items():
                     if isinstance(change, dict):     # params: {params.yaml: {train.lr: modified}}
                         changes["params"].update(change)
                     else:
                         changes[kind][path] = change
-                        if change == "modified" and _is_dir_record(item):   # name the files inside, where it can
-                            changes["files"].update({f"{path}/{rel}": what for rel, what in _changed_files(item).items()})
+                        if change == "modified" and dvc_adapter.is_dir_record(item):   # name the files inside
+                            changes["files"].update({f"{path}/{rel}": what
+                                                     for rel, what in dvc_adapter.changed_files(item).items()})
                 if kind == "outs" and item.def_path not in changes["outs"]:
                     for path, why in unverified_restore(item).items():
                         changes["outs"][item.def_path] = "modified"
-                        changes["files"][os.path.relpath(path, repo.root_dir)] = why
-        if stage.changed_stage():
+                        changes["files"][os.path.relpath(path, dvc_adapter.root_dir(repo))] = why
+        if dvc_adapter.command_changed(stage):
             changes["other"].append("changed command")
         if any(changes.values()):
             stale[stage.name] = changes
     return stale
 
 
-def recorded_files(item) -> list[tuple[str, str]]:
-    """(workspace path, recorded md5) of each file an out or dep stands for in dvc.lock: the file itself, or each
-    file of a directory's recorded listing (when its .dir object is in DVC's cache; [] when it is not)."""
-    hash_info = getattr(item, "hash_info", None)
-    value = getattr(hash_info, "value", None)
-    if not isinstance(value, str) or getattr(hash_info, "name", None) not in ("md5", "md5-dos2unix"):
-        return []
-    if not value.endswith(".dir"):
-        return [(item.fs_path, value)]
-    try:
-        listing = item.get_obj()
-    except Exception:  # noqa: BLE001 -- the listing is not at hand: nothing to compare file by file
-        return []
-    if listing is None:
-        return []
-    return [(os.path.join(item.fs_path, *key), entry.value) for key, _, entry in listing]
-
-
 def content_md5(path: str) -> str:
     """The md5 DVC records for a file, from its bytes read now (never from DVC's state db, which trusts a file
     whose inode, mtime and size are unchanged, and an entry `dvc checkout` wrote from the cache object's name)."""
-    from dvc_data.hashfile.hash import file_md5
-    return file_md5(path)
+    return dvc_adapter.file_md5(path)
 
 
 def unverified_restore(item) -> dict[str, str]:
@@ -247,32 +223,30 @@ def unverified_restore(item) -> dict[str, str]:
     once hashed: a changed object has a new mtime); the workspace file is read whole only when its object is
     missing or corrupt. A right workspace file beside a bad object is not reported (the file is right). A file
     found wrong gets its true hash written into the state db, so DVC's own commands see it as modified too."""
-    cache = getattr(item, "cache", None)
-    if cache is None or not getattr(item, "use_cache", False):
+    if not dvc_adapter.uses_cache(item):
         return {}
-    from dvc_data.hashfile.hash import hash_file
-    from dvc_data.hashfile.hash_info import HashInfo
     bad = {}
-    for path, oid in recorded_files(item):
+    for path, oid in dvc_adapter.recorded_files(item):
         if not os.path.isfile(path):
             continue
-        obj_path = cache.oid_to_path(oid)
+        obj_path = dvc_adapter.object_path(item, oid)
         why = None
         if not os.path.isfile(obj_path):
             why = "not in DVC's cache"
         else:
             try:
-                _, actual = hash_file(obj_path, cache.fs, cache.hash_name, cache.state)
+                actual = dvc_adapter.object_md5(item, obj_path)
             except OSError:
                 continue
-            if actual.value != oid:
-                why = f"restored from a corrupt cache object ({os.path.relpath(obj_path, item.repo.root_dir)})"
+            if actual != oid:
+                shown = os.path.relpath(obj_path, dvc_adapter.object_root_dir(item))
+                why = f"restored from a corrupt cache object ({shown})"
         if why is None:
             continue
         actual = content_md5(path)
         if actual != oid:
             bad[path] = f"modified: {why}, and its bytes differ from the record"
-            cache.state.save(path, cache.fs, HashInfo(cache.hash_name, actual))
+            dvc_adapter.note_hash_in_cache_state(item, path, actual)
     return bad
 
 
@@ -280,18 +254,12 @@ def drop_corrupt_objects(item) -> list[str]:
     """Delete from DVC's cache each object of a recorded out that no longer hashes to its name (DVC's own check,
     which removes it), so that the commit of the out rebuilt stores the right bytes under that name again: DVC adds
     no object that already exists. Returns the objects removed."""
-    cache = getattr(item, "cache", None)
-    if cache is None or not getattr(item, "use_cache", False):
+    if not dvc_adapter.uses_cache(item):
         return []
-    from dvc_data.hashfile.db import ObjectFormatError
     removed = []
-    for _, oid in recorded_files(item):
-        try:
-            cache.check(oid)
-        except ObjectFormatError:
-            removed.append(cache.oid_to_path(oid))
-        except FileNotFoundError:
-            pass
+    for _, oid in dvc_adapter.recorded_files(item):
+        if dvc_adapter.drop_if_corrupt(item, oid):
+            removed.append(dvc_adapter.object_path(item, oid))
     return removed
 
 
@@ -300,37 +268,14 @@ def unrecorded_outputs(repo, recorded: dict) -> dict[str, list[str]]:
     a run died before recording it) while outputs of it exist (persisted logs aside): bytes nobody recorded are no
     evidence, so such a stage is rebuilt rather than trusted (and a stage that reads them is not run on them)."""
     found = {}
-    for stage in repo.index.stages:
-        name = getattr(stage, "name", None)
+    for stage in dvc_adapter.pipeline_stages(repo):
+        name = stage.name
         if not name or name in recorded:
             continue
-        present = [out.def_path for out in stage.outs if not getattr(out, "persist", False) and out.exists]
+        present = [out.def_path for out in stage.outs if not out.persist and out.exists]
         if present:
             found[name] = present
     return found
-
-
-def _is_dir_record(item) -> bool:
-    value = getattr(getattr(item, "hash_info", None), "value", None)
-    return isinstance(value, str) and value.endswith(".dir")
-
-
-def _changed_files(item) -> dict[str, str]:
-    """{relpath: 'modified' | 'deleted' | 'new'} between a directory's recorded listing (DVC's cache holds the
-    .dir object once the run was committed) and the workspace; {} when the listing is not at hand (then the
-    directory itself is named). Uses DVC's own tree build (dry run: nothing is written to the cache)."""
-    try:
-        recorded = item.get_obj()
-        if recorded is None:
-            return {}
-        _, _, current = item._build(item.cache, item.fs_path, item.fs, item.hash_name, ignore=item.dvcignore,
-                                    dry_run=True, no_progress_bar=True)
-        old = {"/".join(key): hash_info.value for key, _, hash_info in recorded}
-        new = {"/".join(key): hash_info.value for key, _, hash_info in current}
-    except Exception:  # noqa: BLE001 -- only a nicer message is lost: the directory is still reported as modified
-        return {}
-    return {rel: "deleted" if rel not in new else "new" if rel not in old else "modified"
-            for rel in sorted(set(old) | set(new)) if old.get(rel) != new.get(rel)}
 
 
 def content_changed(changes: dict) -> bool:
@@ -364,8 +309,8 @@ def describe(changes: dict) -> list[str]:
 
 def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
     """The out paths (outs, metrics, plots, logs) of the named dvc.yaml stages, repository-relative."""
-    return {stage.name: [os.path.relpath(out.fs_path, repo.root_dir) for out in stage.outs]
-            for stage in repo.index.stages if getattr(stage, "name", None) in names}
+    return {stage.name: [out.path for out in stage.outs]
+            for stage in dvc_adapter.pipeline_stages(repo) if stage.name in names}
 
 
 # Which dvc.lock entry each stage's Snakemake records (.snakemake/metadata: the params, code, inputs and input checksums
@@ -457,17 +402,17 @@ def refresh_snakemake_records(repo, root: Path, recorded: dict, matching: list[s
         return []
     # And every matching stage downstream of those: touching an output makes it newer than what reads it, and a
     # reader whose checksum of it Snakemake cannot compare (files over its checksum size) would rerun for that.
-    owner = {out.fs_path: stage.name for stage in repo.index.stages for out in stage.outs}
-    readers = {stage.name: {owner[dep.fs_path] for dep in stage.deps if getattr(dep, "fs_path", None) in owner}
-               for stage in repo.index.stages if getattr(stage, "name", None)}
+    stages = dvc_adapter.pipeline_stages(repo)
+    owner = {out.fs_path: stage.name for stage in stages for out in stage.outs}
+    readers = {stage.name: {owner[dep.fs_path] for dep in stage.deps if dep.fs_path in owner}
+               for stage in stages if stage.name}
     grown = True
     while grown:
         more = [name for name in matching if name not in behind and readers.get(name, set()) & set(behind)]
         behind += more
         grown = bool(more)
-    outs = {stage.name: [os.path.relpath(out.fs_path, repo.root_dir) for out in stage.outs
-                         if not getattr(out, "persist", False)]          # persisted logs are no Snakemake outputs
-            for stage in repo.index.stages if getattr(stage, "name", None) in behind}
+    outs = {stage.name: [out.path for out in stage.outs if not out.persist]   # persisted logs are no Snakemake outputs
+            for stage in stages if stage.name in behind}
     try:
         params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
         env_now = _env_triggers(params)
@@ -516,11 +461,11 @@ def pipeline_status(root: Path = ROOT) -> list[tuple[str, str, list[str]]]:
         if repo is None:
             raise IntegrityError(f"{root} is no DVC repository (no .dvc/, or DVC cannot open it): nothing is "
                                  "recorded to compare with")
-        stages = [s for s in repo.index.stages if getattr(s, "name", None)]
+        stages = [s for s in dvc_adapter.pipeline_stages(repo) if s.name]
         changes = stage_changes(repo, recorded)
         unrecorded = unrecorded_outputs(repo, recorded) if recorded else {}
         owner = {out.fs_path: s.name for s in stages for out in s.outs}
-        upstream = {s.name: sorted({owner[d.fs_path] for d in s.deps if getattr(d, "fs_path", None) in owner}
+        upstream = {s.name: sorted({owner[d.fs_path] for d in s.deps if d.fs_path in owner}
                                    - {s.name}) for s in stages}
     order: list[str] = []
     while len(order) < len(upstream):        # dvc.yaml's order, each stage after the stages it reads from
@@ -571,7 +516,7 @@ def needed_stages(repo, targets: list[str] | None) -> set[str] | None:
     everything upstream of them. None: all of them (no targets, `all`, or a target no stage makes)."""
     if not targets:
         return None
-    stages = {stage.name: stage for stage in repo.index.stages if getattr(stage, "name", None)}
+    stages = {stage.name: stage for stage in dvc_adapter.pipeline_stages(repo) if stage.name}
     outs = {out.def_path.rstrip("/"): name for name, stage in stages.items() for out in stage.outs}
 
     def producer(path: str) -> str | None:
@@ -618,7 +563,7 @@ class RunGuard:
                 changes = {name: ch for name, ch in every.items() if content_changed(ch)}
                 self.stale = {name: describe(ch) for name, ch in changes.items()}
                 unrecorded = unrecorded_outputs(repo, recorded)
-                matching = [stage.name for stage in repo.index.stages if getattr(stage, "name", None) in recorded
+                matching = [stage.name for stage in dvc_adapter.pipeline_stages(repo) if stage.name in recorded
                             and stage.name not in every and stage.name not in unrecorded]
                 for name, paths in unrecorded.items():
                     self.stale[name] = [f"{LOCKFILE} has no entry for it, yet its outputs exist "
@@ -677,10 +622,10 @@ class RunGuard:
                 names.append(mark.name)
         self.rerun_incomplete = "--rerun-incomplete" not in sys.argv and "--ri" not in sys.argv
         by_stage: dict[str, list[str]] = {}
-        for stage in repo.index.stages:
+        for stage in dvc_adapter.pipeline_stages(repo):
             for out in stage.outs:
                 hits = [n for n in names if n == out.def_path or n.startswith(out.def_path.rstrip("/") + "/")]
-                if hits and getattr(stage, "name", None):
+                if hits and stage.name:
                     by_stage.setdefault(stage.name, []).extend(hits)
         if self.rerun_incomplete:
             shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")

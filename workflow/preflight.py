@@ -93,9 +93,21 @@ def dag_preflight(workflow, config: dict, params_path: str = "params.yaml") -> d
         grader_spec(params["generation"].get("grader"))
         check_fits_reference(params["tokenize"]["max_length"], params["ref"]["local_dir"])
         _check_pinned_judge(params["generation"]["judge"])
+        _check_dev_split(params)
     except (ParamsError, SourceError, TokenizeError, SFTDataError, GraderError) as e:
         refuse(one_line(e))
     return params
+
+
+def _check_dev_split(params: dict) -> None:
+    """train.eval_every / train.select_best score the dev split: refused before the DAG without one (probe.dev_size);
+    the training stages refuse it too (stages/engine/cli.py dev_settings), after the upstream stages ran."""
+    from stages.lib.params import ParamsError
+    train = params["train"]
+    if not params["probe"].get("dev_size", 0) and (train.get("eval_every") or train.get("select_best")):
+        raise ParamsError(f"train.eval_every {train.get('eval_every', 0)} / train.select_best "
+                          f"{train.get('select_best', False)} score the dev split, but probe.dev_size is "
+                          f"{params['probe'].get('dev_size', 0)}: set probe.dev_size > 0")
 
 
 def _check_pinned_judge(judge) -> None:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS, STAGE_PARAMS
-from stages.lib.stage_plan import bundle_artifacts, n_rounds, round_outputs, round_rule, rule_declaration
+from stages.lib.stage_plan import (bundle_artifacts, n_rounds, round_outputs, round_rule, rule_declaration,
+                                   stage_outputs)
 from stages.lib.params import ABSENT, DEFAULTS_PATH, dotted_lookup, load_defaults
 
 DEFAULTS = str(DEFAULTS_PATH.relative_to(Path(__file__).resolve().parents[1]))
@@ -48,7 +49,7 @@ def defaults_input(stage: str) -> list[str]:
 
 
 def check_rules_follow_layout(rules, config: dict) -> None:
-    expected = dict(STAGE_OUTPUTS)
+    expected = {stage: stage_outputs(config, stage) for stage in STAGE_OUTPUTS}
     expected |= {round_rule(part, k): round_outputs(part, k) for k in range(2, n_rounds(config) + 1)
                  for part in ROUND_OUTPUTS}
     if n_rounds(config) > 1:

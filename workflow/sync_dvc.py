@@ -48,6 +48,15 @@ HEADER = (
 
 # The train-log columns each curve plots: a preference objective's (train_dpo, train_rm), sft's.
 PLOT_FIELDS = {"pairs": ["loss", "accuracy", "margin"], "sft": ["loss", "completion_logp"]}
+# The dev curve (train.eval_every; probe.dev_size > 0): the columns of a training stage's dev_log.csv.
+DEV_PLOT = ("dev_log.csv", ["accuracy", "margin", "sigmoid_loss"])
+
+
+def plot_definition(path: str) -> dict:
+    stage = Path(path).parent.name
+    if Path(path).name == DEV_PLOT[0]:
+        return {"x": "step", "y": list(DEV_PLOT[1]), "title": f"{stage} dev"}
+    return {"x": "step", "y": list(PLOT_FIELDS.get(stage, PLOT_FIELDS["pairs"])), "title": f"{stage} training"}
 
 def _param_key(name: str, value, config: dict) -> str:
     key = name.replace("__", ".")
@@ -145,8 +154,7 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
         # The one definition of each plot (a stage-level `plots:` entry as well would draw it twice).
         # y: the columns the stage's train log has (sft's objective logs the completions' log-prob, not a pair's
         # accuracy and margin: naming those made every `dvc plots diff` warn that the fields are missing).
-        doc["plots"] = [{p: {"x": "step", "y": list(PLOT_FIELDS.get(Path(p).parent.name, PLOT_FIELDS["pairs"])),
-                             "title": f"{Path(p).parent.name} training"}} for p in curves]
+        doc["plots"] = [{p: plot_definition(p)} for p in curves]
     body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)
     return HEADER + body
 
@@ -176,6 +184,7 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
     Before DVC's own (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db
     then answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the GIL;
     dvc-data hashes in threads only inside a directory of several large files, and a model directory has one)."""
+    import dvc_adapter
     from integrity import (changed_paths, drop_corrupt_objects, dvc_session, note_snakemake_records, read_lockfile,
                            stage_changes)
 
@@ -184,7 +193,7 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
     with dvc_session(root) as repo:
         if repo is None:
             return []
-        by_name = {stage.name: stage for stage in repo.index.stages}
+        by_name = {stage.name: stage for stage in dvc_adapter.pipeline_stages(repo)}
         unknown = [name for name in ran if name not in by_name]
         if unknown:
             raise CommitRefused(f"--ran names no dvc.yaml stage: {', '.join(unknown)} (run `python workflow/sync_dvc.py`"
@@ -218,8 +227,7 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
                 for obj in drop_corrupt_objects(out):
                     print(f"sync_dvc: removed {obj} from DVC's cache: it no longer hashed to its name (stored again "
                           f"from {stage.name}'s rebuilt output)", file=sys.stderr)
-            stage.save()
-            stage.commit(relink=True)
+            dvc_adapter.save_and_commit(stage)
         if built:
             _dump_lock_atomically(repo, root, built)
             # Snakemake's records of what ran (written by this run) now describe these entries (RunGuard's
@@ -248,19 +256,19 @@ def read_inputs_changed(repo, built: list, producers: list) -> dict[str, tuple[s
     `producers` (recorded, not run now) records as its output and whose bytes, read now, hash to something else.
     A file found so gets its true hash written into DVC's state db, so that `prefpipe status`, `dvc status` and the
     next run's start-up check see it as modified from now on."""
-    from dvc_data.hashfile.hash_info import HashInfo
-    from integrity import content_md5, recorded_files
+    import dvc_adapter
+    from integrity import content_md5
 
     owner = {out.fs_path: (stage.name, out) for stage in producers for out in stage.outs}
     found: dict[str, tuple[str, list[str]]] = {}
     for stage in built:
         for dep in stage.deps:
-            hit = owner.get(getattr(dep, "fs_path", None))
+            hit = owner.get(dep.fs_path)
             if hit is None:
                 continue
             producer, out = hit
-            for path, recorded in recorded_files(out):
-                rel = os.path.relpath(path, repo.root_dir)
+            for path, recorded in dvc_adapter.recorded_files(out):
+                rel = os.path.relpath(path, dvc_adapter.root_dir(repo))
                 if rel in found:
                     found[rel][1].append(stage.name)
                     continue
@@ -270,17 +278,18 @@ def read_inputs_changed(repo, built: list, producers: list) -> dict[str, tuple[s
                     continue            # a missing file: the stage could not have read it (its run failed)
                 if actual != recorded:
                     found[rel] = (producer, [stage.name])
-                    repo.state.save(path, repo.fs, HashInfo(out.hash_info.name, actual))
+                    dvc_adapter.note_hash_in_repo_state(repo, out, path, actual)
     return found
 
 
 def _dump_lock_atomically(repo, root: Path, stages: list) -> None:
-    """DVC's own lock serialization (dvc.dvcfile.Lockfile.dump_stages: the bytes `dvc commit` writes), into a
+    """DVC's own lock serialization (dvc_adapter.dump_lock_entries: the bytes `dvc commit` writes), into a
     copy of dvc.lock beside it, then fsync and rename: DVC itself rewrites dvc.lock in place, so a kill -9
     mid-write used to leave it empty."""
     import shutil
     import tempfile
-    from dvc.dvcfile import Lockfile
+
+    import dvc_adapter
 
     target = root / "dvc.lock"
     # The copy lives in .dvc/tmp (git-ignored, the same file system as dvc.lock, so the rename is atomic): a
@@ -294,7 +303,7 @@ def _dump_lock_atomically(repo, root: Path, stages: list) -> None:
             shutil.copyfile(target, tmp)
         else:
             os.unlink(tmp)                    # Lockfile starts a new file where none exists
-        Lockfile(repo, tmp, verify=False).dump_stages(stages)
+        dvc_adapter.dump_lock_entries(repo, tmp, stages)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, target)
@@ -313,13 +322,14 @@ def _warm_hashes(stages: list, jobs: int | None) -> None:
     one stage is often a dep of others: it is hashed once either way, the state db is keyed by path,
     inode, mtime and size). A path that fails here is left to DVC's own pass to report."""
     from concurrent.futures import ThreadPoolExecutor
-    from dvc.output import Output
+
+    import dvc_adapter
 
     unique = {}
     for stage in stages:
         for item in (*stage.deps, *stage.outs):
             # Output subclasses only: params deps hash values, not files.
-            if type(item).get_hash is Output.get_hash and item.exists:
+            if dvc_adapter.hashes_a_file(item) and item.exists:
                 unique.setdefault(item.fs_path, item)
     if not unique:
         return
@@ -327,7 +337,7 @@ def _warm_hashes(stages: list, jobs: int | None) -> None:
 
     def warm(item) -> None:
         try:
-            item.get_hash()
+            dvc_adapter.warm_hash(item)
         except Exception:  # noqa: BLE001 -- DVC's sequential pass raises it with its own message
             pass
 
@@ -363,12 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         record_for_snakemake(args.record_for_snakemake)
         return 0
     if args.commit_lock:
-        import logging
-        try:
-            import dvc.repo  # noqa: F401 -- importing dvc sets its logger to INFO; quiet it afterwards
-        except ImportError:
-            pass
-        logging.getLogger("dvc").setLevel(logging.WARNING)  # as `dvc commit --quiet`: no "Updating lock file"
+        import dvc_adapter
+        dvc_adapter.quiet_logging()         # as `dvc commit --quiet`: no "Updating lock file"
         from integrity import IntegrityError
         try:
             commit_lock(ran=args.ran, dag=args.dag)

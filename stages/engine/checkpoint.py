@@ -10,6 +10,8 @@ rule's declared outputs so Snakemake/DVC never delete it before a rerun):
         optimizer.pt | optimizer/
         trainer_state.json    step, tokens, the train-log rows so far (flushed before the save)
         probe_step0.jsonl     step-0 probe rows: a resumed run rewrites its output from these
+        best_model.pt         train.select_best only: the best dev step's weights so far (stages/engine/dev_eval.py;
+                              trainer_state.json then holds the dev rows and that step)
         rng/rank00000.pt ...  python, numpy, torch CPU (+ CUDA) RNG states of every rank
 
 Atomicity: every rank writes into `.tmp-<name>/`; rank 0 hashes the files, writes meta.json, fsyncs
@@ -118,7 +120,8 @@ def reference_of(identity_path=None, model_dir=None) -> dict:
     return {"kind": "model_dir", "digest": directory_digest(model_dir)}
 
 
-def run_header(objective, settings, env, hf_model, train_pairs, probe_pairs, reference: dict | None) -> dict:
+def run_header(objective, settings, env, hf_model, train_pairs, probe_pairs, reference: dict | None,
+               dev_pairs=None) -> dict:
     trajectory = {k: v for k, v in settings.record().items() if k not in NOT_IN_FINGERPRINT}
     role, head = OBJECTIVE_KINDS[objective.name]
     return {
@@ -135,6 +138,8 @@ def run_header(objective, settings, env, hf_model, train_pairs, probe_pairs, ref
         "train_settings": trajectory,
         "world_size": env.world_size,
         "parallel": settings.parallel,
+        # the dev split (probe.dev_size > 0): its scorings and the selected step are part of the run's state
+        **({"dev_digest": pairs_digest(dev_pairs)} if dev_pairs is not None else {}),
     }
 
 
@@ -381,8 +386,10 @@ def trainable_state_names(module) -> set[str] | None:
 
 
 def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, trainer_state: dict,
-                    probe_step0_rows: list[dict], module, optimizer, settings, env, keep: int) -> Path:
-    """Collective: every rank calls it after the same optimizer step. Returns the checkpoint path."""
+                    probe_step0_rows: list[dict], module, optimizer, settings, env, keep: int,
+                    extra_files: dict[str, dict] | None = None) -> Path:
+    """Collective: every rank calls it after the same optimizer step. Returns the checkpoint path. extra_files
+    {name: tensors}: rank 0's, saved beside the state and hashed with it (train.select_best's best_model.pt)."""
     directory = Path(directory)
     fp = fingerprint(header)
     name = checkpoint_name(step, fp)
@@ -412,6 +419,8 @@ def save_checkpoint(directory, *, header: dict, step: int, total_steps: int, tra
         # Not canonical_json: the log rows keep their column order (train_log.csv's header comes from it).
         (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, allow_nan=False) + "\n", encoding="utf-8")
         write_jsonl(tmp / "probe_step0.jsonl", probe_step0_rows)
+        for name, tensors in (extra_files or {}).items():
+            torch.save(tensors, tmp / name)
     dist.barrier(group=env.control_group)
 
     if env.is_main:

@@ -44,6 +44,19 @@ def add_common_args(parser) -> None:
                         "process's environment differs from it")
 
 
+def add_dev_args(parser) -> None:
+    parser.add_argument("--dev-tokens", help="dev_tokens.parquet (probe.dev_size > 0): the dev split, scored as the "
+                        "probe is (train.eval_every, train.select_best; ref_logps: split `dev` of its table)")
+
+
+def load_dev_tokens(model_dir: Path, dev_path) -> TokenPairs | None:
+    """The dev split's token pairs, or None without --dev-tokens."""
+    if not dev_path:
+        return None
+    from stages.engine.packing import load_token_pairs
+    return load_token_pairs(dev_path, model_vocab_size(model_dir))
+
+
 def add_checkpoint_args(parser) -> None:
     parser.add_argument("--checkpoint-dir", help="periodic checkpoints (train.save_every) go here and --resume auto "
                         "looks here; keep it outside the stage's declared outputs (e.g. checkpoints/train_dpo). "
@@ -70,6 +83,18 @@ def stage_environment(args, settings: TrainSettings) -> dict:
     if args.environment:
         return check_against_record(args.environment, train_params)
     return environment_record(train_params)
+
+
+def dev_settings(settings: TrainSettings, dev_tokens, rounds: bool = False) -> TrainSettings:
+    """train.eval_every / train.select_best need the dev split (--dev-tokens: probe.dev_size > 0), refused without it;
+    an iterative round (k >= 2) scores none, so they are off there."""
+    if rounds:
+        from dataclasses import replace
+        return replace(settings, eval_every=0, select_best=False)
+    if not dev_tokens and (settings.eval_every or settings.select_best):
+        raise TrainConfigError(f"train.eval_every {settings.eval_every} / train.select_best {settings.select_best} "
+                               "score the dev split: set probe.dev_size > 0 (and pass --dev-tokens)")
+    return settings
 
 
 def resolve_model_dir(args) -> Path:

@@ -118,8 +118,8 @@ class DPOObjective:
         """[n, 2] completion token counts (the tokens summed into each branch's log-prob)."""
         return (pairs.seq_lens - pairs.seq_prompt_lens).reshape(-1, 2)
 
-    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray) -> list[dict]:
-        ref = self.ref_cpu["probe"] if self.ref_cpu is not None else np.zeros_like(outputs)
+    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray, split: str = "probe") -> list[dict]:
+        ref = self.ref_cpu[split] if self.ref_cpu is not None else np.zeros_like(outputs)
         counts = self.completion_tokens(probe) if self.reward != SUMMED_REWARD else None
         rows = []
         for i, pid in enumerate(probe.pair_ids):

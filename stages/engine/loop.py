@@ -38,6 +38,7 @@ from torch import nn
 from stages.engine.adapters import Adapter, attach_adapter, check_adapter_settings
 from stages.engine.cli import _progress_bar
 from stages.engine.data import prefetch_batches, run_inference
+from stages.engine.dev_eval import BEST_STATE_FILE, DEV_LOG_COLUMNS, DevEval, is_due
 from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disable_dropout, peak_memory_bytes,
                                 peak_reserved_bytes, seed_everything, wrap_model)
 from stages.engine.export import export_model, host_state_dict
@@ -126,6 +127,8 @@ class Run:
     saved_checkpoints: list[int] = field(default_factory=list)
     adapter: Adapter | None = None     # LoRA (train.adapter); None = full fine-tuning
     memory_plan: dict | None = None    # stages/engine/memory_plan.py's estimate, made before the model load
+    dev_pairs: TokenPairs | None = None  # the dev split (probe.dev_size > 0), scored by `dev`
+    dev: DevEval | None = None
 
 
 def plan_memory(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
@@ -199,7 +202,8 @@ def uncapped_steps(run: "Run") -> int:
 
 
 def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
-              probe_pairs: TokenPairs, out_dir: Path, ckpt: CheckpointOptions) -> Run:
+              probe_pairs: TokenPairs, out_dir: Path, ckpt: CheckpointOptions,
+              dev_pairs: TokenPairs | None = None) -> Run:
     """Model (seeded head), precision, fused kernels compiled, wrapping, optimizer, plan; resumed when a
     checkpoint of this exact run exists."""
     # The plan first (a pure function of the tokens and settings): the optimizer refusals and the memory plan
@@ -225,6 +229,7 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     hf = objective.hf_model(module)
     # A reward model's score positions follow its pad id (HF's pooling): set, or refused, before any work.
     train_pairs, probe_pairs = objective.prepare_pairs(hf, train_pairs), objective.prepare_pairs(hf, probe_pairs)
+    dev_pairs = objective.prepare_pairs(hf, dev_pairs) if dev_pairs is not None else None
     disable_dropout(module)
     # After disable_dropout: train.adapter.dropout is the adapters' own, asked for explicitly.
     check_adapter_settings(settings.adapter, settings, hf, objective.head)
@@ -248,10 +253,12 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
     run = Run(objective, settings, env, module, hf, model, optimizer,
               LRSchedule(settings, len(plans)), plans, train_pairs, probe_pairs, Path(out_dir),
               sum(p.numel() for p in module.parameters()), kernel_warmup_s, TrainState(), adapter=adapter,
-              memory_plan=memory)
+              memory_plan=memory, dev_pairs=dev_pairs)
+    if dev_pairs is not None:
+        run.dev = DevEval(run)
     if ckpt.directory is not None or ckpt.resume not in ("auto", "never"):
         # Rank 0's header (the reference digest is computed there only); every rank names files by it.
-        box = [run_header(objective, settings, env, hf, train_pairs, probe_pairs, ckpt.reference)
+        box = [run_header(objective, settings, env, hf, train_pairs, probe_pairs, ckpt.reference, dev_pairs)
                if env.is_main else None]
         if env.world_size > 1:
             dist.broadcast_object_list(box, src=0, group=env.control_group)
@@ -261,6 +268,8 @@ def build_run(objective: Objective, settings: TrainSettings, env: DistEnv, model
         saved, run.step0_rows = load_checkpoint(*run.resumed, module=module, optimizer=optimizer, settings=settings,
                                                 env=env)
         run.state = TrainState(step=saved["step"], tokens=saved["tokens"], log_rows=saved["log_rows"])
+        if run.dev is not None:
+            run.dev.restore(saved, run.resumed[0])
         log.info("resuming from %s: %d of %d optimizer steps done", run.resumed[0], run.state.step, len(plans))
     startup.mark("resume")
     log.info("objective %s: %d train pairs, %d probe pairs, %d optimizer steps, world %d (%s, %s), %.2fM params, "
@@ -345,10 +354,12 @@ class TrainLog:
 
 def save(run: Run, ckpt: CheckpointOptions) -> None:
     state = run.state
+    dev = run.dev.trainer_state() if run.dev is not None else {}
+    extra = ({BEST_STATE_FILE: run.dev.best_state} if run.dev is not None and run.dev.best_state is not None else {})
     save_checkpoint(ckpt.directory, header=run.header, step=state.step, total_steps=len(run.plans),
-                    trainer_state={"step": state.step, "tokens": state.tokens, "log_rows": state.log_rows},
+                    trainer_state={"step": state.step, "tokens": state.tokens, "log_rows": state.log_rows, **dev},
                     probe_step0_rows=run.step0_rows, module=run.module, optimizer=run.optimizer,
-                    settings=run.settings, env=run.env, keep=run.settings.keep_checkpoints)
+                    settings=run.settings, env=run.env, keep=run.settings.keep_checkpoints, extra_files=extra)
     run.saved_checkpoints.append(state.step)
 
 
@@ -361,7 +372,9 @@ def export_trained(run: Run, model_dir: Path, extra_files: dict[str, str] | None
     state = None
     masters = getattr(run.optimizer, "master_params", None) is not None
     on_gpu = run.env.device.type == "cuda" and run.settings.parallel != "fsdp2"
-    if (masters or on_gpu) and run.env.is_main:
+    if run.dev is not None and run.dev.best_state is not None:     # train.select_best: the selected step's weights
+        state = run.dev.best_state if run.env.is_main else None
+    elif (masters or on_gpu) and run.env.is_main:
         with torch.no_grad():
             state = host_state_dict(run.hf, run.optimizer, trained_only=run.adapter is not None)
     export_model(run.module, run.objective, run.settings, run.env, Path(model_dir), run.out_dir / "model",
@@ -370,6 +383,7 @@ def export_trained(run: Run, model_dir: Path, extra_files: dict[str, str] | None
 
 def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_dir: Path, train_pairs: TokenPairs,
           probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
+          dev_pairs: TokenPairs | None = None,
           environment: dict | None = None, perf_path: Path | None = None,
           export_files: dict[str, str] | None = None) -> dict:
     """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
@@ -390,13 +404,15 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
             log.warning("%s", warning)
     if env.is_main:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-    run = build_run(objective, settings, env, model_dir, train_pairs, probe_pairs, out_dir, ckpt)
+    run = build_run(objective, settings, env, model_dir, train_pairs, probe_pairs, out_dir, ckpt, dev_pairs)
     state, plans, pair_tokens = run.state, run.plans, run.train_pairs.pair_tokens
 
     if run.resumed is None:
         run.step0_rows = probe(run, "step0")
     elif env.is_main:   # the step-0 model is gone; its probe rows were saved with the checkpoint
         write_jsonl(run.out_dir / "probe_step0.jsonl", run.step0_rows)
+    if run.dev is not None and run.resumed is None:
+        run.dev.score(0)
     startup.mark("probe_step0")
 
     run.model.train()
@@ -431,6 +447,8 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
                 profiler.after_step(state.step - 1)
             train_log.add({"step": state.step, "epoch": round(plan.epoch_progress, 6), "lr": lr,
                            "pairs": global_pairs, "tokens": global_tokens}, values)
+            if run.dev is not None and is_due(state.step, len(plans), settings.eval_every):
+                run.dev.score(state.step)        # before a checkpoint of this step, which holds its row
             if settings.save_every and (state.step % settings.save_every == 0 or state.step == len(plans)):
                 train_log.flush()                # the saved log rows must reach exactly this step
                 save(run, ckpt)
@@ -442,6 +460,8 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
 
     # What the stage's wall time holds after the loop (pipeline_bench reads it): the last probe and the export.
     t_probe = time.perf_counter()
+    if run.dev is not None:
+        run.dev.select()                        # train.select_best: the final probe scores the exported weights
     probe(run, "final")
     t_export = time.perf_counter()
     export_trained(run, Path(model_dir), export_files)
@@ -480,6 +500,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "optimizer_steps": len(run.plans),
         # train.max_steps: the steps train.epochs alone would have made (the record of what the cap cut)
         **({"steps_uncapped": uncapped_steps(run)} if settings.max_steps is not None else {}),
+        # probe.dev_size > 0: the dev split's scorings (dev_log.csv) and, with train.select_best, the exported step
+        **({"dev": run.dev.record()} if run.dev is not None else {}),
         "resumed_from_step": run.resumed[1]["step"] if run.resumed is not None else None,
         "checkpoints_saved": run.saved_checkpoints,
         "per_rank": plan_summary(run.plans, run.train_pairs, env.world_size),
@@ -507,6 +529,8 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
     }
     if env.is_main:
         write_train_log(run.out_dir / "train_log.csv", state.log_rows)
+        if run.dev is not None:
+            write_train_log(run.out_dir / "dev_log.csv", [{k: r[k] for k in DEV_LOG_COLUMNS} for r in run.dev.rows])
         write_json(run.out_dir / "run_info.json", run_info)
         if perf_path is not None:
             write_json(perf_path, perf)

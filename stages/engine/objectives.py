@@ -48,8 +48,9 @@ class Objective(Protocol):
         """(per-pair losses [P], per-pair metrics [P, len(metric_names)]) from the module's outputs; device-side,
         no host sync (it runs inside CUDA graphs)."""
 
-    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray) -> list[dict]:
-        """The probe JSONL rows (manifest order) from the inference pass's [pairs, 2] outputs."""
+    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray, split: str = "probe") -> list[dict]:
+        """The probe JSONL rows (manifest order) from the inference pass's [pairs, 2] outputs. split: which split's
+        precomputed values to read (DPO's reference log-probs): "probe", or "dev" for the dev split (dev_eval.py)."""
 
 
 def tie_aware_accuracy(margin: torch.Tensor) -> torch.Tensor:

@@ -91,7 +91,7 @@ class RewardObjective:
                                sc.detach().double(), sr.detach().double()], dim=-1)
         return losses, metrics
 
-    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray) -> list[dict]:
+    def probe_rows(self, probe: TokenPairs, outputs: np.ndarray, split: str = "probe") -> list[dict]:
         rows = []
         for i, pid in enumerate(probe.pair_ids):
             sc, sr = float(outputs[i, 0]), float(outputs[i, 1])

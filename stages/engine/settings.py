@@ -54,11 +54,16 @@ class TrainSettings:
     max_steps: int | None = None       # cap on optimizer steps (None: train.epochs decide); the schedule is the cap's
     # None = {state: exact, fused_backward: false}; else normalized to both keys (__post_init__).
     optimizer: dict | None = None
+    eval_every: int = 0                # score the dev split every N steps too (0: at step 0 and the end only)
+    select_best: bool = False          # export the best dev-accuracy step's weights instead of the last
 
     def __post_init__(self):
         if self.temperature != 1.0:
             raise TrainConfigError(f"train.temperature = {self.temperature}: log-probs, DPO rewards and reference "
                                    "log-probs are defined at temperature 1; other values are refused")
+        if self.select_best and self.parallel == "fsdp2":
+            raise TrainConfigError("train.select_best keeps the best step's full weights on rank 0: not under "
+                                   "parallel fsdp2 (use ddp)")
         if self.optimizer is not None:
             opt = {"state": "exact", "fused_backward": False, **self.optimizer}
             # The default spelled out is the default: the same record and checkpoint fingerprint as no key at all.
@@ -90,6 +95,9 @@ class TrainSettings:
         for optional in ("adapter", "optimizer", "max_steps"):   # absent when unset: the default record stays as it was
             if out[optional] is None:
                 del out[optional]
+        for optional, default in (("eval_every", 0), ("select_best", False)):   # likewise at their defaults
+            if out[optional] in (default, None):
+                del out[optional]
         return out
 
     @classmethod
@@ -117,4 +125,6 @@ class TrainSettings:
         train["adam_betas"] = tuple(float(b) for b in train["adam_betas"])
         train.setdefault("optimizer", None)    # optional key: absent = exact AdamW, stepped after backward
         train.setdefault("max_steps", None)    # optional key: absent = every step train.epochs make
+        train.setdefault("eval_every", 0)      # optional keys: absent = no dev scoring between step 0 and the end,
+        train.setdefault("select_best", False)  # and the last step's weights exported
         return cls(**{f.name: train[f.name] for f in fields(cls)})

@@ -322,10 +322,15 @@ def record_problems(records: dict, params: dict, probe_manifest: dict | None, to
                     {k: v for k, v in (pr.get("truncated_by_reason") or {}).items() if v} != dict(reasons):
                 p.append(f"probe truncated {pr.get('truncated')} {pr.get('truncated_by_reason')} is not the probe "
                          f"token manifest's record {dict(reasons)}")
+        dev_size = params["probe"].get("dev_size", 0)
+        if dev_size and (splits.get("dev") or {}).get("pairs_out") != dev_size:
+            p.append(f"dev pairs_out {(splits.get('dev') or {}).get('pairs_out')} is not probe.dev_size {dev_size}")
         if pm and tr.get("pairs_in") != pm.get("train_pairs"):
             p.append(f"train pairs_in {tr.get('pairs_in')} is not the probe manifest's train_pairs {pm.get('train_pairs')}")
         for key in ("pairs_in", "pairs_out", "rejected", "truncated"):
-            if (tok.get("totals") or {}).get(key) != sum((s.get(key) or 0) for s in (pr, tr)):
+            # every split: train, probe and (probe.dev_size > 0) dev
+            if (tok.get("totals") or {}).get(key) != sum((s.get(key) or 0) for s in splits.values()
+                                                         if isinstance(s, dict)):
                 p.append(f"totals.{key} is not the splits' sum")
         for label, info in sorted(infos.items()):
             if info.get("train_pairs") != tr.get("pairs_out") or info.get("probe_pairs") != pr.get("pairs_out"):

@@ -32,7 +32,7 @@ from stages.evidence.generation import check_generation, generation_members
 from stages.evidence.records import (PROBE_SOURCES, bundle_records, portable_record, probe_sources_record,
                                          record_problems)
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
-from stages.lib.layout import STAGE_OUTPUTS
+from stages.lib.layout import DEV_OUTPUTS, STAGE_OUTPUTS
 from stages.lib.stage_plan import TRAINED, bundle_artifacts
 from stages.lib.params import ABSENT, dotted_lookup, resolved_train
 
@@ -65,7 +65,7 @@ class Verdicts:
 
 # Every file report writes into a bundle beside the packed artifacts and curves (stages/report.py build_bundle).
 FIXED_MEMBERS = {MANIFEST, PARAMS, ENVIRONMENT, SUMMARY, f"{BUNDLE_ROOT}/{PROBE_SOURCES}"}
-LAYOUT_FILES = {path for outputs in STAGE_OUTPUTS.values() for path in outputs.values()}
+LAYOUT_FILES = {path for outputs in (*STAGE_OUTPUTS.values(), *DEV_OUTPUTS.values()) for path in outputs.values()}
 
 
 def _may_be_written(name: str) -> bool:
@@ -321,7 +321,9 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     training = b.environment().get("training") or {}
     # A run's settings are its TrainSettings record: params.yaml's `train` with a LoRA block's defaults filled, and
     # no `adapter` key for a full fine-tune.
-    train = {k: val for k, val in resolved_train(b.params["train"]).items() if not (k == "adapter" and val is None)}
+    # train.eval_every 0 / select_best false are recorded as absent (TrainSettings.record), as no adapter is.
+    train = {k: val for k, val in resolved_train(b.params["train"]).items()
+             if not (k == "adapter" and val is None) and not (k in ("eval_every", "select_best") and not val)}
     for label in TRAINED:
         run = training.get(label)
         if not isinstance(run, dict) or "settings" not in run:

@@ -58,6 +58,16 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
                "curves": "results/report/curves"},
 }
 
+# The dev split (probe.dev_size > 0; issue 37): outputs a stage adds to its STAGE_OUTPUTS only then (stages/lib/
+# stage_plan.py stage_outputs), so a run without one declares, builds and bundles exactly what it did before.
+# freeze_probe freezes it beside the probe, tokenize tokenizes it as the probe, ref_logps scores it into its table
+# (split `dev`, no file of its own), the training stages score it during training (their dev curve, a dvc plot).
+DEV_OUTPUTS: dict[str, dict[str, str]] = {
+    "freeze_probe": {"dev": "results/probe/dev.parquet"},
+    "tokenize": {"dev_tokens": "results/tokens/dev_tokens.parquet"},
+    **{stage: {"plots_dev_log": f"results/{stage}/dev_log.csv"} for stage in ("train_dpo", "train_rm")},
+}
+
 # The params.yaml keys each stage reads (dotted paths; a path covers its subtree; `*` the whole file). A stage sees
 # only these (stages/lib/declared_params.py: reading any other key raises, naming it), and its rule lists exactly
 # these as its params (workflow/rules: `**rule_params(config, stage)`), so Snakemake and DVC rerun the stage when

@@ -2,7 +2,7 @@
 declarations (the rules, `report verify` and the report read it)."""
 from __future__ import annotations
 
-from stages.lib.layout import ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS
+from stages.lib.layout import DEV_OUTPUTS, ROUND_OUTPUTS, ROUNDS_METRICS, STAGE_OUTPUTS
 
 # The trained models by the label the report and evaluate give them (metrics/<label>.json, the bundle's
 # curves/<label>_train_curves.png, `evaluation.<label>` of its manifest) -> the stage that trains it.
@@ -17,6 +17,16 @@ def uses_ref_logps(params: dict) -> bool:
 def uses_sft(params: dict) -> bool:
     """params `sft` set (not null, not absent): the sft stage runs, and its export is the reference."""
     return params.get("sft") is not None
+
+
+def uses_dev(params: dict) -> bool:
+    """probe.dev_size > 0 (absent = 0): a dev split is frozen beside the probe and scored during training."""
+    return int(params["probe"].get("dev_size", 0)) > 0
+
+
+def stage_outputs(params: dict, stage: str) -> dict[str, str]:
+    """A stage's outputs under these params: its STAGE_OUTPUTS, plus its DEV_OUTPUTS when a dev split is on."""
+    return {**STAGE_OUTPUTS[stage], **(DEV_OUTPUTS.get(stage, {}) if uses_dev(params) else {})}
 
 
 def reference_identity(params: dict) -> str:
@@ -50,7 +60,7 @@ def bundle_artifacts(params: dict) -> dict[str, str]:
     """{path: stage} of every artifact an evidence bundle's manifest hashes: the outputs of every stage
     before report (report's own outputs are the bundle)."""
     out = {path: stage for stage in stages(params) if stage != "report"
-           for path in STAGE_OUTPUTS[stage].values()}
+           for path in stage_outputs(params, stage).values()}
     if n_rounds(params) > 1:       # the rounds' record, packed (summary.md's rounds table); their models stay outside
         out[ROUNDS_METRICS] = "rounds_metrics"
     return out

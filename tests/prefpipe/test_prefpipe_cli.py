@@ -1,8 +1,8 @@
 """The `prefpipe` console command (prefpipe/cli.py): pin, verify and status, for the things users run by hand.
 
-`status` runs on a small real DVC repository (real dvc repro, the repository's own workflow/integrity.py copied in,
-as the command loads it from the checkout it reports on): every stage up to date, then a changed param, a changed
-dependency and a deleted output, each named, with the stages downstream of them.
+`status` runs on a small real DVC repository (real dvc repro, the repository's own workflow/integrity.py and
+dvc_adapter.py copied in, as the command loads them from the checkout it reports on): every stage up to date, then a
+changed param, a changed dependency and a deleted output, each named, with the stages downstream of them.
 """
 from __future__ import annotations
 
@@ -45,7 +45,8 @@ def test_prefpipe_is_an_installed_console_command():
 def test_status_names_each_stage_up_to_date_or_why_it_reruns(tmp_path):
     repo = tmp_path / "repo"
     (repo / "workflow").mkdir(parents=True)
-    shutil.copy2(REPO_ROOT / "workflow" / "integrity.py", repo / "workflow" / "integrity.py")
+    for name in ("integrity.py", "dvc_adapter.py"):        # integrity.py reaches DVC through the adapter
+        shutil.copy2(REPO_ROOT / "workflow" / name, repo / "workflow" / name)
     (repo / "Snakefile").write_text("# a prefpipe checkout is found by its Snakefile and dvc.yaml\n")
     (repo / "dvc.yaml").write_text(yaml.safe_dump(DVC_YAML, sort_keys=False))
     (repo / "params.yaml").write_text("k: 1\n")

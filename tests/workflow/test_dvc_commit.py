@@ -209,7 +209,7 @@ def test_an_empty_or_corrupt_dvc_lock_is_refused_not_overwritten(tmp_path):
 def _commit_cli(repo: Path, prefix: list[str] = ()) -> subprocess.Popen:
     """`python workflow/sync_dvc.py --commit-lock` as the Snakefile's onsuccess runs it, in `repo`."""
     (repo / "workflow").mkdir(exist_ok=True)
-    for name in ("sync_dvc.py", "integrity.py"):
+    for name in ("sync_dvc.py", "integrity.py", "dvc_adapter.py"):
         shutil.copy2(REPO_ROOT / "workflow" / name, repo / "workflow" / name)
     return subprocess.Popen([*prefix, sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *BUILT],
                             cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE)

@@ -15,7 +15,8 @@ for _path in (_REPO, str(Path(_REPO) / "workflow")):
 # stages/ file the stage runs, so editing one reruns exactly the stages that import it.
 from code_deps import code_deps
 from stages.lib.layout import STAGE_OUTPUTS as OUT
-from stages.lib.stage_plan import uses_ref_logps
+from stages.lib.stage_plan import uses_dev, uses_ref_logps
+from stages.lib.layout import DEV_OUTPUTS
 # A rule's params are the params.yaml keys its stage declares (stages/lib/layout.py STAGE_PARAMS; the stage can read
 # no other), plus `cli_` values; the schema is an input of a stage that reads a key it may default.
 from rule_layout import defaults_input, rule_params
@@ -41,3 +42,12 @@ from stages.data.chat_templates import template_input
 
 CHAT_TEMPLATE_FILE = template_input(config["tokenize"])
 
+
+# The dev split (probe.dev_size > 0, issue 37): its outputs (stages/lib/layout.py DEV_OUTPUTS) join their stages'
+# outputs, and their flags the shell lines (`cli_dev*` params, empty without one), only then; without one every
+# rule's outputs, shell line and dvc.yaml entry is as it was.
+DEV = uses_dev(config)
+DEV_OUT = {stage: outputs if DEV else {} for stage, outputs in DEV_OUTPUTS.items()}
+DEV_TOKENS = DEV_OUTPUTS["tokenize"]["dev_tokens"] if DEV else []
+# The training stages' and ref_logps' flag (a `cli_` param, set next to the line's last word: "" leaves it unchanged).
+CLI_DEV_TOKENS = f" --dev-tokens {DEV_TOKENS}" if DEV else ""

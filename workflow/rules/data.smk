@@ -44,8 +44,10 @@ rule freeze_probe:
         train=OUT["freeze_probe"]["train"],
         probe=OUT["freeze_probe"]["probe"],
         manifest=OUT["freeze_probe"]["manifest"],
+        **DEV_OUT["freeze_probe"],
     params:
         **rule_params(config, "freeze_probe"),
+        cli_dev=f" --dev {DEV_OUTPUTS['freeze_probe']['dev']}" if DEV else "",
     conda:
         "../envs/pipeline.yaml"
     log:
@@ -55,4 +57,4 @@ rule freeze_probe:
     shell:
         "python -m stages.freeze_probe --params params.yaml --pairs {input.pairs} --identity {input.identity}"
         " --train {output.train}"
-        " --probe {output.probe} --manifest {output.manifest} --log {log}"
+        " --probe {output.probe} --manifest {output.manifest} --log {log}{params.cli_dev}"

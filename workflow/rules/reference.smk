@@ -29,6 +29,7 @@ rule tokenize:
         train=rules.freeze_probe.output.train,
         probe=rules.freeze_probe.output.probe,
         manifest=rules.freeze_probe.output.manifest,
+        dev=DEV_OUTPUTS["freeze_probe"]["dev"] if DEV else [],
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.tokenize"),
     output:
@@ -37,8 +38,11 @@ rule tokenize:
         probe_token_manifest=OUT["tokenize"]["probe_token_manifest"],
         report=OUT["tokenize"]["report"],
         rejections=OUT["tokenize"]["rejections"],
+        **DEV_OUT["tokenize"],
     params:
         **rule_params(config, "tokenize"),
+        cli_dev=(f" --dev {DEV_OUTPUTS['freeze_probe']['dev']} --dev-tokens {DEV_OUTPUTS['tokenize']['dev_tokens']}"
+                 if DEV else ""),
     # The stage runs tokenize.workers processes (0 = all cores); Snakemake caps threads at --cores.
     threads: config["tokenize"].get("workers") or len(os.sched_getaffinity(0)),
     conda:
@@ -51,4 +55,4 @@ rule tokenize:
         "python -m stages.tokenize --params params.yaml --identity {input.identity} --train {input.train}"
         " --probe {input.probe} --probe-manifest {input.manifest} --train-tokens {output.train_tokens}"
         " --probe-tokens {output.probe_tokens} --probe-token-manifest {output.probe_token_manifest}"
-        " --report {output.report} --rejections {output.rejections} --log {log}"
+        " --report {output.report} --rejections {output.rejections} --log {log}{params.cli_dev}"

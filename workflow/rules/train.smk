@@ -82,6 +82,7 @@ rule ref_logps:
         environment=ENV_RECORD,
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
+        dev_tokens=DEV_TOKENS,
         identity=REF_IDENTITY,
         code=code_deps("stages.ref_logps"),
     output:
@@ -90,6 +91,7 @@ rule ref_logps:
         cli_launch=LAUNCH,
         # Only the knobs that change reference log-probs: a new learning rate must not recompute them.
         **rule_params(config, "ref_logps"),
+        cli_dev=CLI_DEV_TOKENS,
     resources:
         **TRAIN_RESOURCES,
     conda:
@@ -107,7 +109,8 @@ rule ref_logps:
         "{params.cli_launch} -m stages.ref_logps -- --params params.yaml"
         " --identity {input.identity}"
         " --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
-        " --out {output.ref_logps} --environment {input.environment} --log {log.main} --perf {log.perf}"
+        " --out {output.ref_logps} --environment {input.environment} --log {log.main}"
+        " --perf {log.perf}{params.cli_dev}"
 
 
 rule train_dpo:
@@ -117,6 +120,7 @@ rule train_dpo:
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
         ref_logps=rules.ref_logps.output.ref_logps if USES_REF_LOGPS else [],
+        dev_tokens=DEV_TOKENS,
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_dpo"),
         defaults=defaults_input("train_dpo"),
@@ -126,9 +130,11 @@ rule train_dpo:
         run_info=OUT["train_dpo"]["run_info"],
         probe_step0=OUT["train_dpo"]["probe_step0"],
         probe_final=OUT["train_dpo"]["probe_final"],
+        **DEV_OUT["train_dpo"],
     params:
         cli_launch=LAUNCH,
         **rule_params(config, "train_dpo"),
+        cli_dev=CLI_DEV_TOKENS,
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
         cli_ref_logps=lambda w, input: f"--ref-logps {input.ref_logps}" if USES_REF_LOGPS else "",
     resources:
@@ -145,7 +151,7 @@ rule train_dpo:
         "{params.cli_launch} -m stages.train_dpo -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo"
-        " --environment {input.environment} --log {log.main} --perf {log.perf}"
+        " --environment {input.environment} --log {log.main} --perf {log.perf}{params.cli_dev}"
 
 
 rule train_rm:
@@ -154,6 +160,7 @@ rule train_rm:
         train_tokens=TOKENS.train_tokens,
         probe_tokens=TOKENS.probe_tokens,
         identity=REF_IDENTITY,
+        dev_tokens=DEV_TOKENS,
         chat_template=CHAT_TEMPLATE_FILE,
         code=code_deps("stages.train_rm"),
         defaults=defaults_input("train_rm"),
@@ -163,9 +170,11 @@ rule train_rm:
         run_info=OUT["train_rm"]["run_info"],
         probe_step0=OUT["train_rm"]["probe_step0"],
         probe_final=OUT["train_rm"]["probe_final"],
+        **DEV_OUT["train_rm"],
     params:
         cli_launch=LAUNCH,
         **rule_params(config, "train_rm"),
+        cli_dev=CLI_DEV_TOKENS,
         cli_out_dir=lambda w, output: os.path.dirname(output.run_info),
     resources:
         **TRAIN_RESOURCES,
@@ -181,4 +190,4 @@ rule train_rm:
         "{params.cli_launch} -m stages.train_rm -- --params params.yaml"
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm"
-        " --environment {input.environment} --log {log.main} --perf {log.perf}"
+        " --environment {input.environment} --log {log.main} --perf {log.perf}{params.cli_dev}"
