@@ -118,6 +118,14 @@ def part_pipeline(out: Path, args) -> dict:
     copy_checkout(work)
     params = yaml.safe_load((work / "params.yaml").read_text())
     params["train"]["gpus"] = 1                     # the one change a GPU user makes (README's GPU section)
+    changed = {"train.gpus": 1}
+    for item in args.set or []:                     # --set KEY=VALUE: an opt-in feature's run on the GPU
+        key, _, value = item.partition("=")
+        *parents, leaf = key.split(".")
+        node = params
+        for name in parents:
+            node = node.setdefault(name, {})
+        node[leaf] = changed[key] = yaml.safe_load(value)
     (work / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     env = {**os.environ, "PREFPIPE_ALLOW_UNLOCKED": "1"}
     for name in ALLOCATOR_ENV:
@@ -126,7 +134,7 @@ def part_pipeline(out: Path, args) -> dict:
     if importlib.util.find_spec("pulp") is None:
         cmd += ["--scheduler", "greedy"]            # the ILP scheduler needs pulp; which job runs first changes no output
     rc, secs = sh(cmd, work, out / "pipeline_snakemake.txt", env=env, timeout=args.pipeline_timeout)
-    rec: dict = {"ok": rc == 0, "rc": rc, "seconds": secs, "command": " ".join(cmd), "params_changed": {"train.gpus": 1}}
+    rec: dict = {"ok": rc == 0, "rc": rc, "seconds": secs, "command": " ".join(cmd), "params_changed": changed}
     stages = {}
     for stage in ("ref_logps", "train_dpo", "train_rm", "generate", "judge"):
         for cand in (work / "results" / stage / "run_info.json", work / "logs" / f"{stage}.perf.json"):
@@ -205,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
     ap.add_argument("--shared", default=str(ROOT.parent / "shared"), help="../shared (HH-RLHF, GPT-2 tokenizer)")
     ap.add_argument("--trl-site", help="TRL's wheels installed here (pip --target): TRL's DPO beside ours in `fit`")
+    ap.add_argument("--set", action="append", metavar="KEY=VALUE",
+                    help="pipeline part: also set this params.yaml key (dotted; the value read as YAML), repeatable")
     ap.add_argument("--cores", type=int, default=8)
     ap.add_argument("--fit-pairs", type=int, default=128)
     ap.add_argument("--work", default="/tmp/prefpipe_gpu_check")
