@@ -345,10 +345,38 @@ def _warm_hashes(stages: list, jobs: int | None) -> None:
         list(pool.map(warm, unique.values()))
 
 
+class StaleDvcYaml(RuntimeError):
+    """dvc.yaml is not what the Snakefile gives for params.yaml as it is now."""
+
+
+def stale_dvc_yaml_problem(root: Path = ROOT) -> str | None:
+    """Why dvc.yaml is not the Snakefile's DAG for the current params.yaml (None: it is). Some params shape the DAG
+    itself: dpo.rounds adds each round's stages, `sft` and probe.dev_size add stages and outputs, a data source is
+    a dep. DVC cannot know: `dvc exp run -S dpo.rounds=3` on a 2-round dvc.yaml reran only report (it tracks all of
+    params.yaml) and recorded an experiment that says 3 rounds and holds 2."""
+    jobs, config = snakemake_jobs(root)
+    text = render_dvc_yaml(jobs, config)
+    current = (root / "dvc.yaml").read_text() if (root / "dvc.yaml").exists() else ""
+    if current == text:
+        return None
+    stages_now = yaml.safe_load(text).get("stages", {})
+    stages_then = (yaml.safe_load(current) or {}).get("stages", {})
+    missing, extra = sorted(set(stages_now) - set(stages_then)), sorted(set(stages_then) - set(stages_now))
+    differ = sorted(n for n in set(stages_now) & set(stages_then) if stages_now[n] != stages_then[n])
+    said = "; ".join(part for part in (f"stages it lacks: {', '.join(missing)}" if missing else "",
+                                      f"stages it should not have: {', '.join(extra)}" if extra else "",
+                                      f"stages that differ: {', '.join(differ)}" if differ else "") if part)
+    return f"dvc.yaml was generated for other params than params.yaml's ({said or 'top-level entries differ'})"
+
+
 def record_for_snakemake(paths: list[str], root: Path = ROOT) -> None:
-    """After DVC built `paths`: `snakemake --touch` them, which writes Snakemake's provenance records
-    (params, code, inputs) for the current state. The env var keeps the Snakefile's onsuccess from
-    calling `dvc commit` while `dvc repro` holds the repository lock."""
+    """After DVC built `paths`: first, dvc.yaml must be the DAG of the params this stage just ran with (else
+    StaleDvcYaml: the stage fails, so DVC records nothing of it); then `snakemake --touch` them, which writes
+    Snakemake's provenance records (params, code, inputs) for the current state. The env var keeps the Snakefile's
+    onsuccess from calling `dvc commit` while `dvc repro` holds the repository lock."""
+    problem = stale_dvc_yaml_problem(root)
+    if problem is not None:
+        raise StaleDvcYaml(problem)
     env = {**os.environ, "PREFPIPE_INSIDE_DVC": "1"}
     subprocess.run(["snakemake", "--touch", "--cores", "1", "--quiet", "all", "--", *paths], cwd=root, env=env,
                    check=True, stdout=subprocess.DEVNULL)
@@ -370,7 +398,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     target = ROOT / "dvc.yaml"
     if args.record_for_snakemake:
-        record_for_snakemake(args.record_for_snakemake)
+        try:
+            record_for_snakemake(args.record_for_snakemake)
+        except StaleDvcYaml as e:
+            print(f"sync_dvc: refused: {e}: run `python workflow/sync_dvc.py`, then `dvc repro` (or the `dvc exp run` "
+                  "again); this stage's outputs are not recorded", file=sys.stderr)
+            return 1
         return 0
     if args.commit_lock:
         import dvc_adapter

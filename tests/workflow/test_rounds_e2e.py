@@ -133,3 +133,22 @@ def test_a_kill_in_round_two_reruns_from_round_two_and_ends_with_the_same_bytes(
     assert (repo / "dvc.lock").read_text() == lock
     assert (repo / "metrics/rounds.json").read_bytes() == record
     assert dvc_changed_stages(repo) == set()
+
+
+def test_dvc_exp_run_with_more_rounds_than_dvc_yaml_has_is_refused_not_recorded(tmp_path, tmp_path_factory):
+    """`dvc exp run -S dpo.rounds=N` cannot add round stages: dvc.yaml is generated from the Snakefile for the params
+    it was written with, and DVC only reruns the stages whose params changed (report: it reads all of params.yaml).
+    Before, that experiment succeeded and recorded dpo.rounds 2 beside one round's results; now the first stage that
+    reruns fails, naming the stages dvc.yaml lacks and the command that makes them, and dvc.lock stays as it was."""
+    repo, _ = copy_finished_run(tmp_path_factory, tmp_path)
+    lock = (repo / "dvc.lock").read_text()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
+    done = subprocess.run(["dvc", "exp", "run", "-S", "+dpo.rounds=2"], cwd=repo, env=env, capture_output=True,
+                          text=True, timeout=900)
+    said = done.stdout + done.stderr
+    assert done.returncode != 0, said[-3000:]
+    assert "sync_dvc: refused: dvc.yaml was generated for other params than params.yaml's (stages it lacks: " \
+           "round2_generate, round2_judge, round2_pairs, round2_ref_logps, round2_train_dpo, rounds_metrics" in said, \
+        said[-3000:]
+    assert "run `python workflow/sync_dvc.py`" in said
+    assert (repo / "dvc.lock").read_text() == lock
