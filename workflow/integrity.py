@@ -307,17 +307,12 @@ def describe(changes: dict) -> list[str]:
     return sorted(reasons, key=lambda r: r.endswith((" deleted", " new")))    # what forces the rerun first
 
 
-def stage_outputs(repo, names: set[str]) -> dict[str, list[str]]:
-    """The out paths (outs, metrics, plots, logs) of the named dvc.yaml stages, repository-relative."""
-    return {stage.name: [out.path for out in stage.outs]
-            for stage in dvc_adapter.pipeline_stages(repo) if stage.name in names}
-
-
 # Which dvc.lock entry each stage's Snakemake records (.snakemake/metadata: the params, code, inputs and input checksums
-# its triggers compare) were written for, and those records as they were then: {stage: _records_digest}. Written by the onsuccess commit for the stages a run
-# recorded, and by RunGuard after it refreshes Snakemake's records (refresh_snakemake_records). A stage whose entry in
-# dvc.lock is not the one noted here has outputs Snakemake did not make in the run it remembers: `git checkout OLD &&
-# dvc checkout` restored another run (issue 34 item 7), or `dvc repro` built them.
+# its triggers compare) were written for, and those records as they were then: {stage: _records_digest}. Written by
+# the onsuccess commit for the stages a run recorded, and by RunGuard after it refreshes Snakemake's records
+# (refresh_snakemake_records). A stage whose entry in dvc.lock, or whose Snakemake records, are not the ones noted
+# here has outputs Snakemake did not make in the run it remembers: `git checkout OLD && dvc checkout` restored
+# another run (issue 34 item 7), `dvc repro` built them, or a failed or killed job rewrote the records.
 SNAKEMAKE_RECORDS = Path(".snakemake") / "prefpipe_lock_entries.json"
 # Snakemake-only rerun triggers (rule params named env_*, which DVC cannot hash): {stage: its value now, from the
 # run's params}. A stage whose Snakemake record holds another value is never refreshed: Snakemake reruns it, rightly.
@@ -346,14 +341,12 @@ def _records_digest(root: Path, entry) -> str:
     rewrites a job's metadata even when the job fails (a refused `probe.size`: its params then name the refused
     value), and a killed run leaves what it wrote: the note no longer matches, so the next run refreshes the records
     dvc.lock still vouches for instead of rerunning from there (issue 34)."""
-    import base64
     import hashlib
     digest = hashlib.sha256(entry_digest(entry).encode())
     outs = entry.get("outs", []) if isinstance(entry, dict) else []
     for out in sorted(str(o.get("path", "")) for o in outs if isinstance(o, dict)):
-        meta = root / ".snakemake" / "metadata" / base64.urlsafe_b64encode(out.encode()).decode()
         try:
-            data = meta.read_bytes()
+            data = _snakemake_metadata(root, out).read_bytes()
         except OSError:
             data = b"absent"
         digest.update(out.encode() + b"\0" + hashlib.sha256(data).digest())
@@ -372,13 +365,17 @@ def note_snakemake_records(root: Path, recorded: dict, stages) -> None:
     os.replace(tmp, path)
 
 
+def _snakemake_metadata(root: Path, output: str) -> Path:
+    """Where Snakemake's file backend keeps its record of `output` (.snakemake/metadata/<base64 of the path>)."""
+    import base64
+    return root / ".snakemake" / "metadata" / base64.urlsafe_b64encode(output.encode()).decode()
+
+
 def _snakemake_params(root: Path, output: str) -> list | None:
     """The params Snakemake recorded for `output` (.snakemake/metadata, its file backend), or None."""
-    import base64
     import json
     try:
-        record = json.loads((root / ".snakemake" / "metadata" / base64.urlsafe_b64encode(output.encode()).decode())
-                            .read_text())
+        record = json.loads(_snakemake_metadata(root, output).read_text())
     except (OSError, ValueError):
         return None
     return record.get("params") if isinstance(record, dict) else None
