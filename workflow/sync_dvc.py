@@ -39,6 +39,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 if str(Path(__file__).resolve().parent) not in sys.path:      # `from integrity import ...` when imported by tests
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import dvc_adapter  # noqa: E402 -- after the path above; DVC itself is imported only inside its functions
 PERF_SUFFIX = ".perf.json"
 HEADER = (
     "# GENERATED from the Snakefile by `python workflow/sync_dvc.py`; do not edit by hand.\n"
@@ -184,7 +186,6 @@ def commit_lock(root: Path = ROOT, ran: list[str] | None = None, jobs: int | Non
     Before DVC's own (sequential) pass, every distinct dep/out path is hashed once in a thread pool: DVC's state db
     then answers DVC's pass, which only copies new objects into the cache (hashlib and sendfile release the GIL;
     dvc-data hashes in threads only inside a directory of several large files, and a model directory has one)."""
-    import dvc_adapter
     from integrity import (changed_paths, drop_corrupt_objects, dvc_session, note_snakemake_records, read_lockfile,
                            stage_changes)
 
@@ -256,7 +257,6 @@ def read_inputs_changed(repo, built: list, producers: list) -> dict[str, tuple[s
     `producers` (recorded, not run now) records as its output and whose bytes, read now, hash to something else.
     A file found so gets its true hash written into DVC's state db, so that `prefpipe status`, `dvc status` and the
     next run's start-up check see it as modified from now on."""
-    import dvc_adapter
     from integrity import content_md5
 
     owner = {out.fs_path: (stage.name, out) for stage in producers for out in stage.outs}
@@ -288,8 +288,6 @@ def _dump_lock_atomically(repo, root: Path, stages: list) -> None:
     mid-write used to leave it empty."""
     import shutil
     import tempfile
-
-    import dvc_adapter
 
     target = root / "dvc.lock"
     # The copy lives in .dvc/tmp (git-ignored, the same file system as dvc.lock, so the rename is atomic): a
@@ -323,8 +321,6 @@ def _warm_hashes(stages: list, jobs: int | None) -> None:
     inode, mtime and size). A path that fails here is left to DVC's own pass to report."""
     from concurrent.futures import ThreadPoolExecutor
 
-    import dvc_adapter
-
     unique = {}
     for stage in stages:
         for item in (*stage.deps, *stage.outs):
@@ -345,6 +341,13 @@ def _warm_hashes(stages: list, jobs: int | None) -> None:
         list(pool.map(warm, unique.values()))
 
 
+def dvc_yaml_now_and_rendered(root: Path = ROOT) -> tuple[str, str]:
+    """(dvc.yaml as it is on disk, "" when absent; dvc.yaml as the Snakefile renders it for params.yaml now)."""
+    jobs, config = snakemake_jobs(root)
+    target = root / "dvc.yaml"
+    return (target.read_text() if target.exists() else ""), render_dvc_yaml(jobs, config)
+
+
 class StaleDvcYaml(RuntimeError):
     """dvc.yaml is not what the Snakefile gives for params.yaml as it is now."""
 
@@ -354,9 +357,7 @@ def stale_dvc_yaml_problem(root: Path = ROOT) -> str | None:
     itself: dpo.rounds adds each round's stages, `sft` and probe.dev_size add stages and outputs, a data source is
     a dep. DVC cannot know: `dvc exp run -S dpo.rounds=3` on a 2-round dvc.yaml reran only report (it tracks all of
     params.yaml) and recorded an experiment that says 3 rounds and holds 2."""
-    jobs, config = snakemake_jobs(root)
-    text = render_dvc_yaml(jobs, config)
-    current = (root / "dvc.yaml").read_text() if (root / "dvc.yaml").exists() else ""
+    current, text = dvc_yaml_now_and_rendered(root)
     if current == text:
         return None
     stages_now = yaml.safe_load(text).get("stages", {})
@@ -406,7 +407,6 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         return 0
     if args.commit_lock:
-        import dvc_adapter
         dvc_adapter.quiet_logging()         # as `dvc commit --quiet`: no "Updating lock file"
         from integrity import IntegrityError
         try:
@@ -415,10 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"sync_dvc --commit-lock: refused: {e}", file=sys.stderr)
             return 1
         return 0
-    jobs, config = snakemake_jobs()
-    text = render_dvc_yaml(jobs, config)
     if args.check:
-        current = target.read_text() if target.exists() else ""
+        current, text = dvc_yaml_now_and_rendered()
         if current != text:
             diff = difflib.unified_diff(current.splitlines(True), text.splitlines(True), "dvc.yaml", "from Snakefile")
             sys.stderr.write("dvc.yaml is out of date with the Snakefile; run `python workflow/sync_dvc.py`\n")
@@ -426,6 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print("dvc.yaml matches the Snakefile")
         return 0
+    jobs, config = snakemake_jobs()
+    text = render_dvc_yaml(jobs, config)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")    # atomic: a crash leaves the old dvc.yaml
     tmp.write_text(text)
     os.replace(tmp, target)
