@@ -85,9 +85,11 @@ SLOW_TEST_COST_S, TEST_COST_S = 60, 1
 
 
 def pytest_collection_modifyitems(config, items):
+    file_of = {item: item.nodeid.split("::", 1)[0] for item in items}
     cost: dict[str, int] = {}
-    for item in items:
-        cost[item.nodeid.split("::", 1)[0]] = cost.get(item.nodeid.split("::", 1)[0], 0) + (
-            SLOW_TEST_COST_S if item.get_closest_marker("slow") else TEST_COST_S)
-    first_seen = {path: i for i, path in reversed(list(enumerate(item.nodeid.split("::", 1)[0] for item in items)))}
-    items.sort(key=lambda item: (-cost[item.nodeid.split("::", 1)[0]], first_seen[item.nodeid.split("::", 1)[0]]))
+    first_seen: dict[str, int] = {}
+    for i, item in enumerate(items):
+        path = file_of[item]
+        cost[path] = cost.get(path, 0) + (SLOW_TEST_COST_S if item.get_closest_marker("slow") else TEST_COST_S)
+        first_seen.setdefault(path, i)
+    items.sort(key=lambda item: (-cost[file_of[item]], first_seen[file_of[item]]))
