@@ -146,6 +146,9 @@ def part_pipeline(out: Path, args) -> dict:
                     {k: data[k] for k in ("device", "cuda_graphs", "tokens_per_s", "peak_memory_bytes_per_rank",
                                           "peak_reserved_bytes_per_rank", "cuda_allocator_conf")
                      if k in data and k not in stages[stage]})
+                # the graphs' replay count is the process's (the perf log's cuda_graphs), beside run_info's facts
+                if "replays" in (data.get("cuda_graphs") or {}) and isinstance(stages[stage].get("cuda_graphs"), dict):
+                    stages[stage]["cuda_graphs"].setdefault("replays", data["cuda_graphs"]["replays"])
                 if "settings" in data:
                     s = data["settings"]
                     stages[stage]["precision"] = s.get("precision")

@@ -90,14 +90,16 @@ def checkpoint_at(directory: Path, step: int) -> Path:
     return found[0]
 
 
-def assert_identical_runs(a: Path, b: Path) -> None:
-    """Bitwise: weights, every per-step log value (not the timing column), both probe files."""
+def assert_identical_runs(a: Path, b: Path, *, same_record: bool = False) -> None:
+    """Bitwise: weights, every per-step log value (not the timing column), both probe files; with same_record
+    (one run's settings, e.g. resumed against uninterrupted) run_info.json too: a resumed run's record is the
+    uninterrupted run's bytes (its resume history is in the perf log), so dvc.lock records the same hash."""
     la, lb = pd.read_csv(a / "train_log.csv"), pd.read_csv(b / "train_log.csv")
     assert list(la.columns) == list(lb.columns)
     assert la.step.tolist() == lb.step.tolist() == list(range(1, len(la) + 1))     # no duplicates, no gaps
     pd.testing.assert_frame_equal(la[[c for c in LOG_COLUMNS if c in la]], lb[[c for c in LOG_COLUMNS if c in lb]],
                                   check_exact=True)
-    for f in ("model/model.safetensors", "probe_step0.jsonl", "probe_final.jsonl"):
+    for f in ("model/model.safetensors", "probe_step0.jsonl", "probe_final.jsonl") + (("run_info.json",) * same_record):
         assert (a / f).read_bytes() == (b / f).read_bytes(), f
 
 

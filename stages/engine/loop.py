@@ -87,11 +87,17 @@ def write_train_log(path: Path, rows: list[dict]) -> None:
     write_text(path, buf.getvalue())
 
 
+# Counts of what this process did (the CUDA-graph shapes it met, captured and replayed): a run resumed after a kill
+# does less of it, so like the timings they go to the perf log, and run_info.json stays the uninterrupted run's bytes.
+PROCESS_HISTORY = frozenset({"shapes_captured", "captures", "replays"})
+
+
 def split_measurements(info: dict) -> tuple[dict, dict]:
-    """(facts, measurements), at any depth: keys ending in `_seconds` are timings, which vary run to run."""
+    """(facts, measurements), at any depth: keys ending in `_seconds` are timings, which vary run to run, and
+    PROCESS_HISTORY's counts vary with where a run was resumed."""
     facts, times = {}, {}
     for k, v in info.items():
-        if k.endswith("_seconds"):
+        if k.endswith("_seconds") or k in PROCESS_HISTORY:
             times[k] = v
         elif isinstance(v, dict):
             facts[k], inner = split_measurements(v)
@@ -502,8 +508,6 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         **({"steps_uncapped": uncapped_steps(run)} if settings.max_steps is not None else {}),
         # probe.dev_size > 0: the dev split's scorings (dev_log.csv) and, with train.select_best, the exported step
         **({"dev": run.dev.record()} if run.dev is not None else {}),
-        "resumed_from_step": run.resumed[1]["step"] if run.resumed is not None else None,
-        "checkpoints_saved": run.saved_checkpoints,
         "per_rank": plan_summary(run.plans, run.train_pairs, env.world_size),
         "total_tokens": state.tokens,
         # The record the numbers were made under (stages/lib/environment.py): versions, CPU dispatch, GPU.
@@ -526,6 +530,10 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "startup": startup.CLOCK.record(),
         # Seconds after the loop, by phase: the final probe pass, the model export (fp32 masters to the host, save).
         "after_loop_seconds": after_loop or {},
+        # How this process got its result, not what the result is: a run resumed after a kill writes run_info.json
+        # byte for byte as an uninterrupted one (dvc.lock records the same hash), so its history lives here.
+        "resumed_from_step": run.resumed[1]["step"] if run.resumed is not None else None,
+        "checkpoints_saved": run.saved_checkpoints,
     }
     if env.is_main:
         write_train_log(run.out_dir / "train_log.csv", state.log_rows)

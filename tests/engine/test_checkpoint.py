@@ -38,7 +38,7 @@ def test_checkpoints_are_complete_self_describing_and_pruned(assets):
     from stages import train_rm
     params = write_train_params(assets / "p.yaml", train={"save_every": 3})
     info = train_rm.main(ckpt_args(assets, "rm", params, assets / "ck"))
-    assert info["checkpoints_saved"] == [3, 6, 8] and info["resumed_from_step"] is None   # the last step too
+    assert info["perf"]["checkpoints_saved"] == [3, 6, 8] and info["perf"]["resumed_from_step"] is None   # the last step too
     complete, incomplete = list_checkpoints(assets / "ck")
     assert [s for s, _, _ in complete] == [8, 6] and incomplete == []       # train.keep_checkpoints = 2
     step, path, meta = complete[0]
@@ -59,12 +59,12 @@ def test_resume_from_a_checkpoint_reproduces_the_uninterrupted_run_bitwise(asset
     train_dpo.main(ckpt_args(assets, "full", params, assets / "ck"))
     step6 = checkpoint_at(assets / "ck", 6)
     info = train_dpo.main(ckpt_args(assets, "resumed", params, assets / "ck2", resume=step6))
-    assert info["resumed_from_step"] == 6 and info["checkpoints_saved"] == [8]
-    assert_identical_runs(assets / "full", assets / "resumed")
+    assert info["perf"]["resumed_from_step"] == 6 and info["perf"]["checkpoints_saved"] == [8]
+    assert_identical_runs(assets / "full", assets / "resumed", same_record=True)
     # auto picks the newest complete checkpoint of this run (step 8): nothing left to train.
     info = train_dpo.main(ckpt_args(assets, "again", params, assets / "ck"))
-    assert info["resumed_from_step"] == 8 and info["checkpoints_saved"] == []
-    assert_identical_runs(assets / "full", assets / "again")
+    assert info["perf"]["resumed_from_step"] == 8 and info["perf"]["checkpoints_saved"] == []
+    assert_identical_runs(assets / "full", assets / "again", same_record=True)
 
 
 @pytest.fixture
@@ -161,26 +161,26 @@ def test_auto_resume_falls_back_past_a_damaged_newest_checkpoint(trained):
     step2, step4 = checkpoint_at(ck, 2), checkpoint_at(ck, 4)
     flip_byte(step4 / "model.pt")
     info = train_rm.main(ckpt_args(a, "fallback", params, ck))
-    assert info["resumed_from_step"] == 2 and info["checkpoints_saved"] == [4]
+    assert info["perf"]["resumed_from_step"] == 2 and info["perf"]["checkpoints_saved"] == [4]
     logged = (a / "fallback.log").read_text()
     assert (f"not resuming from {step4}: {step4}: corrupted checkpoint: model.pt has sha256" in logged
             and "trying the next older checkpoint of this run" in logged), logged
     assert (f"resuming from {step2} (step 2), the newest good checkpoint of this run; skipped as damaged: "
             f"{step4.name}") in logged, logged
-    assert_identical_runs(a / "rm", a / "fallback")
+    assert_identical_runs(a / "rm", a / "fallback", same_record=True)
 
     # The rerun replaced the damaged step 4 with its own; now damage both.
     (checkpoint_at(ck, 4) / META).write_text('{"step": 4, "fingerp')
     optimizer = step2 / "optimizer.pt"
     optimizer.write_bytes(optimizer.read_bytes()[:100])
     info = train_rm.main(ckpt_args(a, "fresh", params, ck))
-    assert info["resumed_from_step"] is None and info["checkpoints_saved"] == [2, 4]
+    assert info["perf"]["resumed_from_step"] is None and info["perf"]["checkpoints_saved"] == [2, 4]
     logged = (a / "fresh.log").read_text()
     assert f"ignoring checkpoint {step4}: its {META} is unreadable (damaged)" in logged, logged
     assert f"not resuming from {step2}: {step2}: corrupted checkpoint: optimizer.pt" in logged, logged
     assert (f"no good checkpoint of this run in {ck} (damaged: {step4.name}, {step2.name}): starting fresh"
             in logged), logged
-    assert_identical_runs(a / "rm", a / "fresh")
+    assert_identical_runs(a / "rm", a / "fresh", same_record=True)
 
 
 def test_different_data_probe_reference_params_or_world_size_are_refused(trained):
@@ -219,13 +219,13 @@ def test_auto_resume_skips_other_runs_checkpoints_with_a_warning(trained):
     hot = write_train_params(a / "hot.yaml", train={"save_every": SAVE_EVERY, "epochs": 1, "lr": 1e-2})
     old = sorted(p.name for p in (a / "ck_rm").iterdir())
     info = train_rm.main(ckpt_args(a, "hot", hot, a / "ck_rm"))
-    assert info["resumed_from_step"] is None and info["checkpoints_saved"] == [2, 4]
+    assert info["perf"]["resumed_from_step"] is None and info["perf"]["checkpoints_saved"] == [2, 4]
     logged = (a / "hot.log").read_text()
     assert "not resuming from" in logged and "train settings differ: lr: 0.003 -> 0.01" in logged
     now = sorted(p.name for p in (a / "ck_rm").iterdir())
     assert set(old) < set(now) and len(now) == 4                   # the other run's pair is left alone
     never = train_rm.main(ckpt_args(a, "never", hot, a / "ck_rm", resume="never"))
-    assert never["resumed_from_step"] is None
+    assert never["perf"]["resumed_from_step"] is None
 
 
 def test_save_every_without_a_checkpoint_dir_is_refused(assets):
@@ -384,8 +384,8 @@ def test_sigkill_after_a_checkpoint_then_resume_equals_uninterrupted_dp1(assets)
     assert complete_steps(ck) == [2, 4] and not (assets / "run/probe_final.jsonl").exists()
     err = finish(launch(1, "stages.train_rm", ckpt_args(assets, "run", params, ck)))
     assert "resuming from" in err and "4 of 8 optimizer steps done" in err
-    assert read_json(assets / "run/run_info.json")["resumed_from_step"] == 4
-    assert_identical_runs(assets / "full", assets / "run")
+    assert read_json(assets / "run.perf.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "run", same_record=True)
 
 
 @pytest.mark.slow
@@ -405,8 +405,8 @@ def test_sigkill_after_and_during_checkpoint_saves_then_resume_equals_uninterrup
     assert complete_steps(ck) == [2, 4] and len(interrupted_saves(ck)) == 1
     err = finish(launch(2, "stages.train_dpo", run))
     assert "ignoring incomplete checkpoint" in err and "4 of 8 optimizer steps done" in err
-    assert read_json(assets / "run/run_info.json")["resumed_from_step"] == 4
-    assert_identical_runs(assets / "full", assets / "run")
+    assert read_json(assets / "run.perf.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "run", same_record=True)
     assert complete_steps(ck) == [6, 8] and not interrupted_saves(ck)
 
     # A DP=2 checkpoint under one process is refused, naming the world sizes.
@@ -425,5 +425,5 @@ def test_fsdp2_dcp_checkpoint_resume_equals_uninterrupted(assets):
     meta = read_json(checkpoint_at(ck, 4) / META)
     assert meta["parts"]["model"] == "model/" and any(f.endswith(".distcp") for f in meta["files"])
     finish(launch(2, "stages.train_rm", ckpt_args(assets, "run", params, ck)))
-    assert read_json(assets / "run/run_info.json")["resumed_from_step"] == 4
-    assert_identical_runs(assets / "full", assets / "run")
+    assert read_json(assets / "run.perf.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "run", same_record=True)

@@ -93,7 +93,7 @@ def test_a_resumed_run_has_the_uninterrupted_runs_dev_log_and_selection(with_dev
                                 dpo={"objective": "dpo_ref_free"})
     full = train_dpo.main(dev_args(a, "full", params, ckpt=a / "ck"))
     resumed = train_dpo.main(dev_args(a, "resumed", params, ckpt=a / "ck2", resume=checkpoint_at(a / "ck", 4)))
-    assert resumed["resumed_from_step"] == 4
+    assert resumed["perf"]["resumed_from_step"] == 4
     assert resumed["dev"] == full["dev"] and full["dev"]["scored_steps"] == [0, 2, 4, 6, 8]
     for f in ("dev_log.csv", "train_log.csv", "model/model.safetensors", "probe_final.jsonl"):
         assert (a / "full" / f).read_bytes() == (a / "resumed" / f).read_bytes(), f

@@ -83,11 +83,14 @@ def test_cuda_graph_training_matches_eager_training(assets, objective, precision
         else:
             train_rm.main(stage_args(tmp_path, "--out-dir", out, params))
         runs[graphs] = (pd.read_csv(out / "train_log.csv"), json.loads((out / "run_info.json").read_text()),
-                        read_jsonl(out / "probe_final.jsonl"))
-    (eager_log, eager_info, eager_probe), (graph_log, graph_info, graph_probe) = runs[0], runs[8]
+                        read_jsonl(out / "probe_final.jsonl"),
+                        json.loads((tmp_path / f"run{graphs}.perf.json").read_text()))
+    (eager_log, eager_info, eager_probe, _), (graph_log, graph_info, graph_probe, graph_perf) = runs[0], runs[8]
     assert eager_info["cuda_graphs"]["enabled"] is False
     info = graph_info["cuda_graphs"]
-    assert info["enabled"] and info["replays"] > 0 and info["shapes_captured"] >= 1, info
+    counts = graph_perf["cuda_graphs"]           # the process's own counts: in the perf log, not run_info.json
+    assert info["enabled"] and counts["replays"] > 0 and counts["shapes_captured"] >= 1, (info, counts)
+    assert not {"replays", "captures", "shapes_captured"} & set(info), info
     lowbit = (extra.get("optimizer") or {}).get("state", "exact") != "exact"
     assert info["optimizer"]["kind"] == ("flat_triton_adamw_8bit" if lowbit else
                                          "flat_triton_adamw" if precision == "bf16" else "torch_fused_adamw")
@@ -269,7 +272,7 @@ def test_resume_under_cuda_graphs_continues_the_run(assets, stage):
     resumed = main(ckpt_args(tmp_path, "resumed", params, tmp_path / "ck2", resume=checkpoint_at(tmp_path / "ck", 4)))
     assert full["cuda_graphs"]["enabled"] and resumed["cuda_graphs"]["enabled"]
     assert full["cuda_graphs"]["optimizer"]["kind"] == resumed["cuda_graphs"]["optimizer"]["kind"] == "flat_triton_adamw"
-    assert resumed["resumed_from_step"] == 4 and resumed["checkpoints_saved"] == [6, 8]
+    assert resumed["perf"]["resumed_from_step"] == 4 and resumed["perf"]["checkpoints_saved"] == [6, 8]
     a, b = pd.read_csv(tmp_path / "full/train_log.csv"), pd.read_csv(tmp_path / "resumed/train_log.csv")
     assert a.step.tolist() == b.step.tolist() == list(range(1, 9))
     cols = ["loss", "grad_norm", "lr", "pairs", "tokens"]

@@ -214,7 +214,7 @@ def test_lora_resume_equals_uninterrupted_and_checkpoints_hold_only_the_trained_
     saved = torch.load(step2 / "model.pt", weights_only=True)
     assert saved and all("lora_" in k or "modules_to_save" in k for k in saved)   # the frozen base is not copied
     info = train_rm.main(ckpt_args(assets, "resumed", params, assets / "ck2", resume=step2))
-    assert info["resumed_from_step"] == 2
+    assert info["perf"]["resumed_from_step"] == 2
     a, b = assets / "full", assets / "resumed"
     pd.testing.assert_frame_equal(pd.read_csv(a / "train_log.csv"), pd.read_csv(b / "train_log.csv"), check_exact=True)
     for f in ("model/model.safetensors", "model/adapter/adapter_model.safetensors", "model/adapter/adapter_config.json",
@@ -223,7 +223,7 @@ def test_lora_resume_equals_uninterrupted_and_checkpoints_hold_only_the_trained_
     # Another adapter config is another run: auto resume does not pick these checkpoints up.
     other = write_params(assets / "p2.yaml", train={"save_every": 2, "keep_checkpoints": 4, "adapter": lora(r=2)})
     info = train_rm.main(ckpt_args(assets, "other", other, assets / "ck"))
-    assert info["resumed_from_step"] is None
+    assert info["perf"]["resumed_from_step"] is None
 
 
 def test_lora_rm_under_torchrun_ddp_and_fsdp2_dp2_equal_dp1(assets):

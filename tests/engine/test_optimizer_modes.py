@@ -36,8 +36,8 @@ def test_each_mode_checkpoints_and_resumes_bitwise(assets, mode):
     assert plan["moments"] > 0 and plan["device_bytes"] is None and plan["fits"] is None
     assert (plan["masters"] > 0) == (mode == "fp32_master_8bit_bf16")
     resumed = train_rm.main(ckpt_args(assets, "resumed", params, assets / "ck2", resume=checkpoint_at(assets / "ck", 4)))
-    assert resumed["resumed_from_step"] == 4
-    assert_identical_runs(assets / "full", assets / "resumed")
+    assert resumed["perf"]["resumed_from_step"] == 4
+    assert_identical_runs(assets / "full", assets / "resumed", same_record=True)
     log = pd.read_csv(assets / "full/train_log.csv")
     assert log.loss.iloc[-1] < log.loss.iloc[0]
 
@@ -134,8 +134,8 @@ def test_two_processes_train_each_mode_like_one(assets, parallel, mode):
     _equal_within(assets / "one", assets / "two", rtol=0.05)
     torchrun(2, "stages.train_rm", ckpt_args(assets, "resumed", params, assets / "ck2",
                                              resume=checkpoint_at(assets / "ck", 4)))
-    assert read_json(assets / "resumed/run_info.json")["resumed_from_step"] == 4
-    assert_identical_runs(assets / "two", assets / "resumed")
+    assert read_json(assets / "resumed.perf.json")["resumed_from_step"] == 4
+    assert_identical_runs(assets / "two", assets / "resumed", same_record=True)
 
 
 LORA = {"type": "lora", "r": 4, "alpha": 8, "dropout": 0.0, "export": "adapter",

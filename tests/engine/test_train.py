@@ -450,6 +450,8 @@ def test_graph_optimizer_step_equals_the_eager_step(master, adapter):
 def test_split_measurements_moves_every_timing_out_of_the_facts():
     from stages.engine.loop import split_measurements
     facts, times = split_measurements({"enabled": True, "capture_seconds": 0.4, "shapes": [{"tokens": 8}],
+                                       "shapes_captured": 2, "captures": 3, "replays": 140,
                                        "optimizer": {"kind": "flat_triton_adamw", "warmup_seconds": 0.01}})
     assert facts == {"enabled": True, "shapes": [{"tokens": 8}], "optimizer": {"kind": "flat_triton_adamw"}}
-    assert times == {"capture_seconds": 0.4, "optimizer": {"warmup_seconds": 0.01}}
+    assert times == {"capture_seconds": 0.4, "shapes_captured": 2, "captures": 3, "replays": 140,
+                     "optimizer": {"warmup_seconds": 0.01}}

@@ -200,4 +200,4 @@ def test_ref_logps_flips_in_pages_and_footer_are_refused(assets):
 
     (assets / "ref.parquet").write_bytes(good)                  # the undamaged file trains
     shutil.rmtree(assets / "dpo", ignore_errors=True)
-    assert train_dpo.main(dpo_args)["resumed_from_step"] is None
+    assert train_dpo.main(dpo_args)["perf"]["resumed_from_step"] is None

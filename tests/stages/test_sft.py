@@ -79,7 +79,7 @@ def sft_params(path: Path, src: Path, train: dict | None = None, sources=None) -
 def sft_args(a: Path, out: str, params: Path, extra: list[str] | None = None) -> list[str]:
     return ["--params", str(params), "--model-dir", str(a / "model"), "--probe-tokens", str(a / "probe_tokens.parquet"),
             "--probe", str(a / "probe.parquet"), "--out-dir", str(a / out), "--log", str(a / f"{out}.log"),
-            *(extra or [])]
+            "--perf", str(a / f"{out}.perf.json"), *(extra or [])]
 
 
 @pytest.mark.slow
@@ -158,8 +158,8 @@ def test_sigkill_mid_sft_then_resume_equals_uninterrupted_bitwise(hh_sft):
     assert not (hh_sft / "run/probe_final.jsonl").exists()
     err = finish(launch(1, "stages.sft", run))
     assert "resuming from" in err
-    assert read_json(hh_sft / "run/run_info.json")["resumed_from_step"] == 4
-    assert_identical_runs(hh_sft / "full", hh_sft / "run")
+    assert read_json(hh_sft / "run.perf.json")["resumed_from_step"] == 4
+    assert_identical_runs(hh_sft / "full", hh_sft / "run", same_record=True)
     assert (hh_sft / "full/model/prefpipe.lock.json").read_bytes() == (hh_sft / "run/model/prefpipe.lock.json").read_bytes()
 
 
