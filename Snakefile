@@ -109,5 +109,21 @@ onsuccess:
 
 
 onerror:
+    # A failed run records what it finished: Snakemake removes only the failed jobs' outputs, so each finished job's
+    # are whole, and the next run starts at the failure instead of rebuilding every output that no dvc.lock entry
+    # vouches for (issue 34 item 2: such an output is rebuilt). The same commit as onsuccess, checks included; a run
+    # killed outright (kill -9 of snakemake) reaches no handler, and its unrecorded outputs are rebuilt.
     if RUN_GUARD is not None:
+        if not workflow.touch:
+            _finished = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)
+                                if workflow.dag.finished(job)} - {"all"})
+            if _finished:
+                _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
+                _handed = RUN_GUARD.handed_lock()
+                _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_finished,
+                                        "--dag", *_dag],
+                                       pass_fds=(_handed[0],) if _handed else (), env=_handed[1] if _handed else None)
+                if _done.returncode == 0:
+                    print(f"integrity: the run failed; recorded in dvc.lock the stages it finished: "
+                          f"{', '.join(_finished)}", file=sys.stderr)
         RUN_GUARD.release()

@@ -79,9 +79,30 @@ def assets(tmp_path):
 # Files run longest first. README's command distributes whole files over two workers (`--dist loadfile`, since
 # several files build a costly module fixture once); xdist's default order, most tests first, put the files of one
 # or two end-to-end tests (minutes each: the real-data README run, the DVC comparison) last, where one worker ran
-# them alone while the other idled. A slow-marked test counts as a minute, any other as a second: a rough cost, but
-# it is the ordering, not the measure, that matters (largest first keeps the tail short).
+# them alone while the other idled. A file's cost is its measured seconds (MEASURED_COST_S: the end-to-end files,
+# each a few minutes) or else a rough one (a slow-marked test counts as a minute, any other as a second): it is the
+# ordering, not the measure, that matters (largest first keeps the tail short). A stale number costs speed, never
+# a result.
 SLOW_TEST_COST_S, TEST_COST_S = 60, 1
+# Seconds per file in a two-worker run of README's test command on 2 cores (each file's setup and calls, while the
+# other worker ran too). test_rounds_e2e includes building the session's finished default run (its first user), so
+# the other worker starts on test_faults, which builds its own, and neither waits for the other.
+MEASURED_COST_S = {
+    "tests/workflow/test_rounds_e2e.py": 900,
+    "tests/workflow/test_faults.py": 850,
+    "tests/workflow/test_slurm.py": 420,
+    "tests/workflow/test_readme_real_data.py": 385,
+    "tests/engine/test_portable_numerics.py": 320,
+    "tests/stages/test_report.py": 250,
+    "tests/workflow/test_dvc_compare.py": 230,
+    "tests/workflow/test_targeted_run.py": 190,
+    "tests/engine/test_optimizer_modes.py": 160,
+    "tests/workflow/test_pipeline_e2e.py": 145,
+    "tests/bench/test_bench.py": 130,
+    "tests/engine/test_checkpoint.py": 120,
+    "tests/engine/test_train.py": 110,
+    "tests/stages/test_sft.py": 100,
+}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -92,4 +113,6 @@ def pytest_collection_modifyitems(config, items):
         path = file_of[item]
         cost[path] = cost.get(path, 0) + (SLOW_TEST_COST_S if item.get_closest_marker("slow") else TEST_COST_S)
         first_seen.setdefault(path, i)
+    for path in cost:
+        cost[path] = MEASURED_COST_S.get(path, cost[path])
     items.sort(key=lambda item: (-cost[file_of[item]], first_seen[file_of[item]]))

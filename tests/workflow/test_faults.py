@@ -1,11 +1,13 @@
 """Faults users meet, replayed on the real pipeline (issue 26): real snakemake, real DVC, real kills by PID.
 
-One workspace is built once (a fresh-clone copy of this checkout, `snakemake --cores 2`: the committed record; the
-session builds it once for this module and the e2e story, tests/pipeline_helpers.py finished_default_run),
-then each scenario breaks it the way users do and checks that the next run rebuilds or refuses naming the file,
-never reports success on wrong bytes, and leaves the committed record again: dvc.lock byte-identical to this
-checkout's, `dvc status` clean, `report verify --workspace .` passing. The scenarios run in file order on the one
-workspace (pytest-xdist's --dist loadfile keeps a file on one worker), each leaving it as it found it.
+One workspace is built once for this module: a fresh-clone copy of this checkout with `train.max_steps: 40`
+(every stage runs, as users run them; the integrity mechanics hold for any amount of training, and each rebuild of
+a trainer then costs seconds instead of a minute), run to its end with `snakemake --cores 2` and committed: that
+run's dvc.lock is the record. Each scenario breaks it the way users do and checks that the next run rebuilds or
+refuses naming the file, never reports success on wrong bytes, and leaves the record again: dvc.lock
+byte-identical, `dvc status` clean, `report verify --workspace .` passing. The scenarios run in file order on the
+one workspace (pytest-xdist's --dist loadfile keeps a file on one worker), each leaving it as it found it. That
+the uncapped default reproduces the committed dvc.lock is test_pipeline_e2e's golden check.
 """
 from __future__ import annotations
 
@@ -18,17 +20,27 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO_ROOT
-from pipeline_helpers import (_descendants, _kill_when_running, _wait_for, copy_finished_run,
-                              dvc_changed_stages, sh)
+from pipeline_helpers import (_descendants, _kill_when_running, _wait_for, cap_training_steps, commit,
+                              copy_checkout, dvc_changed_stages, sh)
 
 pytestmark = pytest.mark.slow
 
 
+# The workspace's record: its committed run's dvc.lock and metrics (the fixture fills it).
+RECORD: dict[str, bytes] = {}
+RECORDED = ("dvc.lock", "metrics/generation.json")
+FAULTS_MAX_STEPS = 40       # a trainer still runs for seconds: long enough for the kills below to find it alive
+
+
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory) -> Path:
-    # The session's finished default run (built once, shared with the e2e story), copied for this module.
-    repo, _ = copy_finished_run(tmp_path_factory, tmp_path_factory.mktemp("faults"))
+    repo = copy_checkout(tmp_path_factory.mktemp("faults") / "repo")
+    cap_training_steps(repo, FAULTS_MAX_STEPS)
+    sh(sys.executable, "workflow/sync_dvc.py", cwd=repo)
+    sh("snakemake", "--cores", "2", cwd=repo)
+    commit(repo, "the record the faults start from")
+    RECORD.clear()
+    RECORD.update({rel: (repo / rel).read_bytes() for rel in RECORDED})
     assert_is_the_record(repo)
     return repo
 
@@ -40,7 +52,7 @@ def run(repo: Path, *cmd: str, timeout: int = 900) -> subprocess.CompletedProces
 
 def assert_is_the_record(repo: Path) -> None:
     """The workspace is the committed record: same dvc.lock bytes, DVC agrees, the bundle verifies."""
-    assert (repo / "dvc.lock").read_text() == (REPO_ROOT / "dvc.lock").read_text(), "dvc.lock is not the record"
+    assert (repo / "dvc.lock").read_bytes() == RECORD["dvc.lock"], "dvc.lock is not the record"
     assert dvc_changed_stages(repo) == set()
     out = sh(sys.executable, "-m", "stages.report", "verify", "results/report/evidence.tar.gz", "--workspace", ".",
              cwd=repo)
@@ -195,7 +207,7 @@ def test_an_edit_keeping_size_mtime_and_inode_is_refused_not_packed_and_recorded
         refusal = [line for line in out.stderr.splitlines() if "refused" in line]
         assert len(refusal) == 1 and "results/normalize/normalize_stats.json" in refusal[0], out.stderr[-3000:]
         assert "snakemake --cores N" in refusal[0] and "normalize" in refusal[0]
-        assert (repo / "dvc.lock").read_text() == (REPO_ROOT / "dvc.lock").read_text(), "the misread run was recorded"
+        assert (repo / "dvc.lock").read_bytes() == RECORD["dvc.lock"], "the misread run was recorded"
         status = prefpipe_status(repo)
         assert status.returncode == 1, status.stdout
         assert any(line.startswith("normalize ") and "must rerun" in line and "normalize_stats.json" in line
@@ -230,7 +242,7 @@ def test_a_dvc_lock_that_lost_a_stage_rebuilds_it_instead_of_trusting_its_output
     assert done.returncode == 0, done.stderr[-4000:]
     assert "integrity: train_rm must rerun" in done.stderr and "no entry" in done.stderr, done.stderr[-3000:]
     assert yaml.safe_load((repo / "dvc.lock").read_text()) == doc, "the rebuilt record differs"
-    assert (repo / "metrics/generation.json").read_bytes() == (REPO_ROOT / "metrics/generation.json").read_bytes()
+    assert (repo / "metrics/generation.json").read_bytes() == RECORD["metrics/generation.json"]
     # DVC appends a re-added entry at the end: the same record, another order; the committed bytes back.
     sh("git", "checkout", "--", "dvc.lock", cwd=repo)
     assert_is_the_record(repo)
@@ -536,7 +548,6 @@ def test_restoring_an_older_committed_run_reruns_nothing(workspace):
     the records of Snakemake's own last run. Now the start-up check, finding every stage as dvc.lock records it,
     refreshes Snakemake's records of the restored stages: the dry run and the run do nothing, and the workspace
     stays the older record."""
-    from pipeline_helpers import commit
     repo = workspace
     commit(repo, "the committed run")
     params = (repo / "params.yaml").read_text()
@@ -546,7 +557,7 @@ def test_restoring_an_older_committed_run_reruns_nothing(workspace):
     (repo / "params.yaml").write_text(params[:seed_at] + "  seed: 12345" + params[line_end:])
     second = run(repo, "snakemake", "--cores", "2")
     assert second.returncode == 0, second.stderr[-4000:]
-    assert (repo / "dvc.lock").read_text() != (REPO_ROOT / "dvc.lock").read_text()
+    assert (repo / "dvc.lock").read_bytes() != RECORD["dvc.lock"]
     commit(repo, "generation.seed 12345, run")
     sh("git", "checkout", "HEAD~1", "--", ".", cwd=repo)
     sh("dvc", "checkout", cwd=repo)
