@@ -46,7 +46,7 @@ from stages.lib.cli import stage_main
 from stages.lib.io import read_json, read_jsonl, read_parquet, sha256_file, write_json
 from stages.lib.params import ParamsError
 from stages.lib.declared_params import load_stage_params
-from stages.lib.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
+from stages.evidence.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
 
 
 def _probe_token_facts(probe_tokens_path: str | Path) -> tuple[dict[str, tuple[str, str]], dict[str, tuple[int, int]]]:

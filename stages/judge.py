@@ -18,7 +18,7 @@ Outputs: judgments.jsonl, one row per (prompt, sample) in probe order: pair_id, 
 policy_completion / reference_completion (text), *_length (content tokens), *_stop_reason, *_reward, win (1, 0,
 or 0.5 on a tie), policy_log_ratio (the policy completion's summed log p_policy - log p_reference over its generated
 tokens, stop token included, both at temperature 1) and policy_generated_tokens; metrics/generation.json and
-judge_summary.json from stages/lib/scoring.py evaluate_generation (the numbers `report verify` recomputes):
+judge_summary.json from stages/evidence/scoring.py evaluate_generation (the numbers `report verify` recomputes):
   win_rate [CI]          the mean over prompts of the policy's wins over the reference (each prompt's samples
                          averaged), percentile bootstrap over prompts with evaluate's replicates, seed, confidence;
                          policy_better in the summary = the lower bound above 0.5
@@ -71,7 +71,7 @@ from stages.lib.io import read_parquet, write_json, write_jsonl
 from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import load_verified_dir, pinned_model_record
 from stages.lib.graders import GraderError, grade, grader_spec
-from stages.lib.scoring import PerPairFileError, evaluate_generation
+from stages.evidence.scoring import PerPairFileError, evaluate_generation
 
 log = logging.getLogger("judge")
 

@@ -13,8 +13,8 @@ prompt out of train), `rounds.n` samples each at `rounds.temperature` / `rounds.
 generation.batch_size (stages/engine/generation.py: batched, KV-cached, the counter-based streams of a seed derived
 from rounds.seed and k, so each round draws afresh and a rerun draws the same). The judge (--judge-model, train_rm's
 export, or a pinned one) scores every sample as the judge stage does (prompt + content + the turn's closing, read at
-the last non-pad token). stages/lib/rounds.py makes the pairs (best vs worst above rounds.min_margin) and a rejection
-with a reason code for every other prompt.
+the last non-pad token). stages/evidence/rounds.py makes the pairs (best vs worst above rounds.min_margin) and a
+rejection with a reason code for every other prompt.
 
 Outputs: --pairs (TOKENS_SCHEMA, what ref_logps and train_dpo read), --rejections (one row per prompt without a pair),
 --report (pairs_report: counts by reason, stop reasons, mean margin; the round's settings).
@@ -44,8 +44,8 @@ from stages.lib.graders import GraderError, grade, grader_spec
 from stages.lib.io import MEASUREMENT, read_parquet, sha256_json, write_json, write_parquet
 from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import load_verified_dir
-from stages.lib.rounds import (RoundPairsError, Sample, build_round_pairs, pairs_report, pairs_table, prompt_id,
-                               rejections_table, sample_sequence, select_prompts, unique_prompts)
+from stages.evidence.rounds import (RoundPairsError, Sample, build_round_pairs, pairs_report, pairs_table, prompt_id,
+                                    rejections_table, sample_sequence, select_prompts, unique_prompts)
 
 log = logging.getLogger("round_pairs")
 

@@ -10,7 +10,7 @@
         --metrics metrics/rounds.json --log logs/rounds_metrics.log
 
 One entry per round, round 1 first (the offline DPO of train_dpo / judge); each list names the rounds in order and
---pairs-report every round after the first. Per round (stages/lib/rounds.py rounds_record): the probe accuracy of its
+--pairs-report every round after the first. Per round (stages/evidence/rounds.py rounds_record): the probe accuracy of its
 train_dpo (scored as evaluate scores it, the frozen probe checked first: against the round's reference, so with
 rounds.reference previous against the previous policy), the win rate against the initial reference (the round's
 judge metrics), against the previous round and round 1 (the judge's rewards of the two policies' probe completions,
@@ -29,8 +29,8 @@ from stages.lib.contracts import PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCH
 from stages.lib.io import read_json, read_jsonl, write_json
 from stages.lib.declared_params import load_stage_params
 from stages.lib.params import ParamsError
-from stages.lib.rounds import RoundPairsError, rounds_record
-from stages.lib.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
+from stages.evidence.rounds import RoundPairsError, rounds_record
+from stages.evidence.scoring import PerPairFileError, ProbeMismatchError, check_manifests, evaluate_model
 
 log = logging.getLogger("rounds_metrics")
 

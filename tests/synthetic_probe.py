@@ -236,7 +236,7 @@ def judgment_rows(pair_ids: list[str], seed: int) -> list[dict]:
 
 def write_judge(root: Path, params: dict, token_manifest: dict, seed: int) -> None:
     from stages.lib.layout import STAGE_OUTPUTS
-    from stages.lib.scoring import evaluate_generation
+    from stages.evidence.scoring import evaluate_generation
     out = STAGE_OUTPUTS["judge"]
     rows = judgment_rows(token_manifest["pair_ids"], seed)
     metrics, summary = evaluate_generation(rows, params, out["judgments"])

@@ -302,7 +302,7 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
     stages.evidence.records.bundle_records of the bundle's members: sources, tokenize, reference, training,
     per-source accuracy for mixtures), then the curves."""
     from stages.evidence.generation import render_generation_section
-    from stages.lib.rounds import render_rounds_section
+    from stages.evidence.rounds import render_rounds_section
     from stages.evidence.records import summary_sections
     ev = params["evaluate"]
     lines = ["# Evidence summary", ""]

@@ -4,7 +4,7 @@ The judge stage's three outputs are packed (stages/lib/layout.py `judge`): judgm
 sample), metrics/generation.json and judge_summary.json. summary.md gains `render_generation_section` (the
 win-rate table, the length view and three probe prompts with both completions side by side, escaped and cut for
 display), remade by verify like the rest of the summary; `check_generation` reruns
-stages/lib/scoring.py evaluate_generation (the win-rate bootstrap, the length view, the KL estimate) on the packed
+stages/evidence/scoring.py evaluate_generation (the win-rate bootstrap, the length view, the KL estimate) on the packed
 rows and compares the metrics and the summary's bootstrap with the packed ones. Kept apart from evidence.py and
 stages/evidence/verify.py, which call these two functions and nothing else of this module.
 """
@@ -175,7 +175,7 @@ RECOMPUTED_SUMMARY_KEYS = ("n_prompts", "samples_per_prompt", "index_matrix", "b
 def check_generation(v, b) -> None:
     """`report verify`: metrics/generation.json and judge_summary.json's bootstrap recomputed from the packed
     judgments by evaluate_generation (floats to the verify tolerance). Missing members are _check_layout's."""
-    from stages.lib.scoring import PerPairFileError, evaluate_generation
+    from stages.evidence.scoring import PerPairFileError, evaluate_generation
     generation = generation_members(b.packed_json, lambda rel: None if b.packed(rel) is None else b.packed(rel).decode())
     if generation is None or generation["rows"] is None or generation["metrics"] is None:
         v.add(False, JUDGE["metrics_generation"], "the bundle packs no judgments and generation metrics to recompute")

@@ -12,7 +12,7 @@ results/probe/probe.parquet), the join that per-source accuracy needs.
 
 summary.md's "What ran" sections are made here from those members alone (summary_sections), so `report verify`
 remakes them from the bundle; per-source accuracy uses evaluate's own scoring and paired bootstrap
-(stages/lib/scoring.py) on each source's probe pairs, for mixtures (more than one source). record_problems is what
+(stages/evidence/scoring.py) on each source's probe pairs, for mixtures (more than one source). record_problems is what
 verify holds the records to: their own arithmetic, one another, the probe manifests and the params.
 """
 from __future__ import annotations
@@ -103,7 +103,7 @@ def per_source_accuracy(records: dict, params: dict) -> dict[str, dict[str, dict
     (replicates, seed, confidence of params.evaluate) over each source's pairs."""
     import numpy as np
 
-    from stages.lib import scoring
+    from stages.evidence import scoring
     stats, probe = records.get("normalize_stats") or {}, records.get("probe_sources") or {}
     names = [s.get("name") for s in stats.get("sources") or []]
     sources = probe.get("sources") or []

@@ -420,7 +420,7 @@ def _check_sources(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
 
 
 def _check_evaluation(v: Verdicts, b: _Bundle) -> None:
-    from stages.lib import scoring
+    from stages.evidence import scoring
     from stages.lib.contracts import PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCHEMA, shape_problem
 
     probe = b.evaluation.get("probe", {})

@@ -24,6 +24,12 @@ produced. Two remedies, both defined here and nowhere else:
 Both are read lazily by torch (at the first dispatched op and the first BLAS call), so the pin works
 when applied before the process's first tensor op; `pin_portable_cpu_numerics` verifies that it took
 effect and refuses otherwise.
+
+The devices themselves: `gpu_numerics()` names the GPUs a GPU run's record holds (through torch), and
+`visible_nvidia_gpus()` counts the NVIDIA GPUs this process can use without importing torch (the driver's
+entries, CUDA_VISIBLE_DEVICES), which the Snakefile's pre-flight holds `train.gpus` to (stages/lib/params.py
+check_gpus_here). Device selection itself (CUDA or CPU, the process group) is the engine's
+(stages/engine/dist.py), which imports torch and which neither lib nor the workflow may import.
 """
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ import ctypes
 import os
 import platform
 import re
+import shutil
+import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -108,6 +116,45 @@ def gpu_numerics() -> dict[str, Any]:
         return {"cuda": None}
     return {"cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version(),
             "gpus": sorted({torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())})}
+
+
+def _cuda_visible(found: int, visible: str | None) -> int:
+    """How many of `found` GPUs CUDA_VISIBLE_DEVICES leaves visible: its entries up to the first invalid one
+    (CUDA's own rule; an index out of range or "-1" ends the list), UUIDs (GPU-..., MIG-...) taken as valid."""
+    if visible is None:
+        return found
+    n = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < found):
+            n += 1
+        else:
+            break
+    return min(n, found)
+
+
+def visible_nvidia_gpus(proc_dir: str | os.PathLike = "/proc/driver/nvidia/gpus") -> tuple[int, str]:
+    """(NVIDIA GPUs this process can use, how they were counted), without importing torch (seconds, and a
+    CUDA context): the driver's /proc/driver/nvidia/gpus entries, else `nvidia-smi -L`; then
+    CUDA_VISIBLE_DEVICES."""
+    proc = Path(proc_dir)
+    if proc.is_dir():
+        found = len([p for p in proc.iterdir() if p.is_dir()])
+        how = f"{proc} lists {found}"
+    elif shutil.which("nvidia-smi"):
+        try:
+            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+            found = sum(line.startswith("GPU ") for line in r.stdout.splitlines()) if r.returncode == 0 else 0
+        except (OSError, subprocess.TimeoutExpired):
+            found = 0
+        how = f"`nvidia-smi -L` lists {found}"
+    else:
+        found, how = 0, f"no NVIDIA driver: {proc} absent, no nvidia-smi"
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    n = _cuda_visible(found, visible)
+    if visible is not None:
+        how += f"; CUDA_VISIBLE_DEVICES={visible!r} leaves {n}"
+    return n, how
 
 
 def pin_portable_cpu_numerics() -> dict[str, Any]:

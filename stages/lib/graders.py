@@ -2,8 +2,8 @@
 
 A grader says of one completion of one prompt whether it succeeds, and which labels it earned (e.g. `rude`,
 `wrong_colour`, `no_colour`); the judge stage grades the policy's and the reference's completions and
-stages/lib/scoring.py `grader_metrics` turns the grades into graded success rates (paired bootstrap) and the judge's
-agreement with the grader on the prompts where the two completions grade differently. params `generation.grader`:
+stages/evidence/scoring.py `grader_metrics` turns the grades into graded success rates (paired bootstrap) and the
+judge's agreement with the grader on the prompts where the two completions grade differently. params `generation.grader`:
 
     embedded_colours                    the embedded task: the asked thing's colour named (and no other colour), no
                                         other thing named, no rude phrase (stages/lib/embedded_task.py: the truth)

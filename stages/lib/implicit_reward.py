@@ -1,6 +1,6 @@
 """The DPO implicit rewards a loss may declare (stages/engine/dpo_losses.py `implicit_reward`): one contract
 between train_dpo, which writes them into the train log and the probe rows, and evaluate / `report verify`
-(stages/lib/scoring.py), which recompute them from the rows, so accuracy and margins mean what the loss optimizes.
+(stages/evidence/scoring.py), which recompute them from the rows, so accuracy and margins mean what the loss optimizes.
 
 SUMMED_REWARD: beta * (policy - reference) log-prob summed over the completion (DPO's reward); its probe rows carry
 no `implicit_reward` field, as before other rewards existed. MEAN_REWARD: the same divided by the completion's token

@@ -8,7 +8,7 @@
 * every number must be finite (`.nan`, `.inf` pass the schema's bounds: NaN compares false with every bound);
 * workflow/schemas/params.schema.yaml, each error naming the key path and what is allowed there;
 * with `gpus_here=True` (the Snakefile, when jobs run on this machine), `train.gpus` must not exceed the NVIDIA
-  GPUs this machine shows, counted without importing torch (`visible_nvidia_gpus`).
+  GPUs this machine shows, counted without importing torch (stages/lib/environment.py `visible_nvidia_gpus`).
 """
 from __future__ import annotations
 
@@ -16,13 +16,13 @@ import copy
 import math
 import os
 import re
-import shutil
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import jsonschema
 import yaml
+
+from stages.lib.environment import visible_nvidia_gpus
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "workflow" / "schemas" / "params.schema.yaml"
 # The schema's defaults alone, {dotted key: default} (generated from the schema by workflow/sync_params_doc.py; its
@@ -328,47 +328,8 @@ def write_params_keys(path: str | os.PathLike, section: str, values: dict[str, A
 
 
 # ---------------------------------------------------------------------------------------------
-# GPUs on this machine
+# GPUs on this machine (counted by stages/lib/environment.py, beside the record's GPU facts)
 # ---------------------------------------------------------------------------------------------
-
-def _cuda_visible(found: int, visible: str | None) -> int:
-    """How many of `found` GPUs CUDA_VISIBLE_DEVICES leaves visible: its entries up to the first invalid one
-    (CUDA's own rule; an index out of range or "-1" ends the list), UUIDs (GPU-..., MIG-...) taken as valid."""
-    if visible is None:
-        return found
-    n = 0
-    for entry in visible.split(","):
-        entry = entry.strip()
-        if entry.startswith(("GPU-", "MIG-")) or (entry.isdigit() and int(entry) < found):
-            n += 1
-        else:
-            break
-    return min(n, found)
-
-
-def visible_nvidia_gpus(proc_dir: str | os.PathLike = "/proc/driver/nvidia/gpus") -> tuple[int, str]:
-    """(NVIDIA GPUs this process can use, how they were counted), without importing torch (seconds, and a
-    CUDA context): the driver's /proc/driver/nvidia/gpus entries, else `nvidia-smi -L`; then
-    CUDA_VISIBLE_DEVICES."""
-    proc = Path(proc_dir)
-    if proc.is_dir():
-        found = len([p for p in proc.iterdir() if p.is_dir()])
-        how = f"{proc} lists {found}"
-    elif shutil.which("nvidia-smi"):
-        try:
-            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
-            found = sum(line.startswith("GPU ") for line in r.stdout.splitlines()) if r.returncode == 0 else 0
-        except (OSError, subprocess.TimeoutExpired):
-            found = 0
-        how = f"`nvidia-smi -L` lists {found}"
-    else:
-        found, how = 0, f"no NVIDIA driver: {proc} absent, no nvidia-smi"
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    n = _cuda_visible(found, visible)
-    if visible is not None:
-        how += f"; CUDA_VISIBLE_DEVICES={visible!r} leaves {n}"
-    return n, how
-
 
 def check_gpus_here(params: dict, source: str = "params.yaml", counted: tuple[int, str] | None = None) -> None:
     asked = params["train"]["gpus"]

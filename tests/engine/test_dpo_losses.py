@@ -329,7 +329,7 @@ def first_step_rows(train_path, params: dict) -> list[dict]:
 def test_dpo_trains_end_to_end_with_each_convention(tmp_path, loss, eps):
     from transformers import AutoModelForCausalLM
     from stages import train_dpo
-    from stages.lib.scoring import score_dpo_rows
+    from stages.evidence.scoring import score_dpo_rows
     from stages.lib.io import read_jsonl
     make_tiny_model_dir(tmp_path / "model")
     write_token_parquet(tmp_path / "train.parquet", toy_task_rows(32, seed=1))

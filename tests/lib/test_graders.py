@@ -1,6 +1,7 @@
-"""Graders (stages/lib/graders.py) and what evaluate_generation makes of their grades (stages/lib/scoring.py): graded
-success rates with the paired bootstrap, the judge's agreement with the grader where the two completions grade
-differently, the warnings that say when a win rate is not evidence, and no KL for greedy completions (issue 33)."""
+"""Graders (stages/lib/graders.py) and what evaluate_generation makes of their grades (stages/evidence/scoring.py):
+graded success rates with the paired bootstrap, the judge's agreement with the grader where the two completions
+grade differently, the warnings that say when a win rate is not evidence, and no KL for greedy completions
+(issue 33)."""
 from __future__ import annotations
 
 import copy
@@ -13,7 +14,7 @@ from conftest import REPO_ROOT
 from stages.embedded_data import build_examples, build_sft_examples, misconceptions
 from stages.lib.embedded_task import COLOUR_OF
 from stages.lib.graders import GraderError, grade, grader_spec
-from stages.lib.scoring import PerPairFileError, evaluate_generation
+from stages.evidence.scoring import PerPairFileError, evaluate_generation
 
 EMB = {"type": "embedded_colours"}
 

@@ -17,7 +17,7 @@ import torch
 import yaml
 
 from engine_helpers import make_tiny_model_dir, token_row, write_token_parquet
-from stages.lib import scoring
+from stages.evidence import scoring
 from stages.lib.contracts import correct_label
 from stages.lib.implicit_reward import MEAN_REWARD, implicit_reward
 from stages.lib.io import read_jsonl

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import scipy.stats
 
-from stages.lib import scoring as ev
+from stages.evidence import scoring as ev
 from stages.lib.io import sha256_json
 from stage_helpers import evaluate_params, run_evaluate_cli
 from synthetic_probe import dpo_rows, make_probe, rm_rows, write_all

@@ -15,7 +15,7 @@ from generation_helpers import generate_args, judge_args, make_judge, make_works
 from stages import generate, judge
 from stages.lib.contracts import GENERATIONS_SCHEMA, correct_label
 from stages.lib.io import read_parquet, write_parquet
-from stages.lib.scoring import PerPairFileError, evaluate_generation
+from stages.evidence.scoring import PerPairFileError, evaluate_generation
 
 PARAMS = {"evaluate": {"bootstrap_replicates": 2000, "seed": 7, "confidence": 0.95}}
 

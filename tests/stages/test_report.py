@@ -756,7 +756,7 @@ def test_a_mixture_gets_per_source_accuracy_from_the_evaluate_bootstrap(tmp_path
     (probe_sources.json, from the probe pairs) and evaluate's paired bootstrap, which equals scipy's."""
     import numpy as np
     import scipy.stats
-    from stages.lib import scoring
+    from stages.evidence import scoring
     params = small_params()
     params["data"]["sources"] = [{"name": "alpha", "path": "data/a.jsonl", "format": "trl"},
                                  {"name": "beta", "path": "data/b.jsonl", "format": "trl"}]

@@ -93,7 +93,7 @@ def test_stage_outputs_are_deterministic_and_bind_the_probe(gpt2_tokenizer_dir, 
 
 def test_keep_end_probe_pairs_are_recorded_and_evaluate_checks_the_record(gpt2_tokenizer_dir, gpt2, hh_pairs,
                                                                           tmp_path):
-    from stages.lib.scoring import ProbeMismatchError, check_manifests
+    from stages.evidence.scoring import ProbeMismatchError, check_manifests
 
     limits = TokenizeLimits(max_length=256, max_prompt_length=128, truncation="keep_end")
     pairs = hh_pairs[:400]

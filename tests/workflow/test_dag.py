@@ -197,74 +197,6 @@ def test_code_deps_follow_imports_lazy_ones_too(tmp_path):
                                                              "stages/plug/one.py", "stages/plug/two.py"]
 
 
-# Imports that cross the layers (workflow -> stages -> engine/lib), to be removed, never added to:
-# make_tiny_ref (a maintainer's tool, no rule) pins with verify_ref's `pin`.
-LAYERING_EXCEPTIONS = {("stages/make_tiny_ref.py", "stages.verify_ref")}
-
-
-def _imported_names(path):
-    """Every module name (and `module.name` of a from-import) a Python file or a Snakemake rule file imports."""
-    import ast
-    text = path.read_text()
-    if path.suffix == ".smk" or path.name == "Snakefile":   # only their Python import lines parse as Python
-        text = "\n".join(line for line in text.splitlines() if line.startswith(("import ", "from ")))
-    for node in ast.walk(ast.parse(text)):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            yield from [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
-        elif isinstance(node, ast.Import):
-            yield from (a.name for a in node.names)
-
-
-def test_layers_lib_and_engine_never_import_a_stage_and_stages_import_no_other_stage():
-    """workflow -> stages -> data / engine -> lib: stages/data imports stages.lib only (never a stage, never the
-    engine), the engine never imports the data package (the two meet only through lib's contracts), lib imports
-    neither."""
-    stage_modules = {f"stages.{p.stem}" for p in (REPO_ROOT / "stages").glob("*.py") if p.stem != "__init__"}
-    bad = []
-    for path in sorted((REPO_ROOT / "stages").rglob("*.py")):
-        rel = path.relative_to(REPO_ROOT).as_posix()
-        for name in _imported_names(path):
-            if name in stage_modules and name != f"stages.{path.stem}" and (rel, name) not in LAYERING_EXCEPTIONS:
-                bad.append(f"{rel} imports {name}")
-            if rel.startswith("stages/lib/") and name.startswith(("stages.engine", "stages.data")):   # lib is below
-                bad.append(f"{rel} imports {name}")
-            if rel.startswith("stages/data/") and name.startswith("stages.") and not name.startswith(
-                    ("stages.lib", "stages.data")):
-                bad.append(f"{rel} imports {name}")
-            if rel.startswith("stages/engine/") and name.startswith("stages.data"):
-                bad.append(f"{rel} imports {name}")
-            # The evidence package (only the report stage's) reads lib only; nothing below a stage reads it.
-            if rel.startswith("stages/evidence/") and name.startswith("stages.") and not name.startswith(
-                    ("stages.lib", "stages.evidence")):
-                bad.append(f"{rel} imports {name}")
-            if rel.startswith(("stages/lib/", "stages/data/", "stages/engine/")) and name.startswith("stages.evidence"):
-                bad.append(f"{rel} imports {name}")
-    # The console command (prefpipe/) sits above stages/ and workflow/; nothing below imports it, and stages/ never
-    # imports workflow/'s modules (the Snakefile puts workflow/ on sys.path; a stage must not depend on that).
-    workflow_modules = {p.stem for p in (REPO_ROOT / "workflow").glob("*.py")}
-    for path in sorted([*(REPO_ROOT / "stages").rglob("*.py"), *(REPO_ROOT / "workflow").rglob("*.py")]):
-        rel = path.relative_to(REPO_ROOT).as_posix()
-        for name in _imported_names(path):
-            if name.split(".")[0] == "prefpipe" or (rel.startswith("stages/") and name in workflow_modules):
-                bad.append(f"{rel} imports {name}")
-    assert not bad, bad
-
-
-def test_the_workflow_uses_only_public_names_of_the_data_package_and_no_stage_internals():
-    """The Snakefile's rules and pre-flight read sources through stages.data's public functions, never a stage
-    module's (a stage is a CLI; what the DAG needs of it lives below it) nor an underscored name."""
-    bad = []
-    for path in sorted([*(REPO_ROOT / "workflow").rglob("*.py"), *(REPO_ROOT / "workflow").rglob("*.smk"),
-                        REPO_ROOT / "Snakefile"]):
-        for name in _imported_names(path):
-            last = name.rsplit(".", 1)[-1]
-            if name.startswith("stages.") and not name.startswith(("stages.lib", "stages.data")):
-                bad.append(f"{path.relative_to(REPO_ROOT)} imports {name}")
-            elif name.startswith("stages.data") and last.startswith("_"):
-                bad.append(f"{path.relative_to(REPO_ROOT)} imports the private {name}")
-    assert not bad, bad
-
-
 def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
     """stages/lib/layout.py is the one list of artifact paths: the rules take their outputs from it, and an output
     added to a rule by hand (which the evidence bundle would never vouch for) stops the DAG build, naming the rule."""
@@ -389,32 +321,3 @@ def test_a_scratch_stage_costs_four_hand_written_files(tmp_path):
     stage = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]["scratch"]
     assert stage["params"] == ["probe.size"] and "stages/scratch.py" in stage["deps"]
     assert "| scratch | `results/scratch/table.json` | A throwaway stage" in (root / "README.md").read_text()
-
-
-def test_no_import_circle_anywhere():
-    """Issue 35: no module of stages/, workflow/ or prefpipe/ reaches itself through imports (lazy ones inside
-    functions count: they run too). The one there was, evidence -> evidence_generation -> evidence_verify ->
-    evidence through a private helper, is gone (stages/evidence/compare.py)."""
-    files = {}
-    for top in ("stages", "prefpipe"):
-        for path in (REPO_ROOT / top).rglob("*.py"):
-            name = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts).removesuffix(".__init__")
-            files[name] = path
-    for path in (REPO_ROOT / "workflow").glob("*.py"):
-        files[path.stem] = path                      # the Snakefile puts workflow/ on sys.path: imported by stem
-    graph = {name: {m for m in _imported_names(path) if m in files and m != name} for name, path in files.items()}
-    circles, state = [], {}
-
-    def visit(node, trail):
-        state[node] = "open"
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == "open":
-                circles.append(" -> ".join(trail[trail.index(nxt):] + [nxt]))
-            elif nxt not in state:
-                visit(nxt, trail + [nxt])
-        state[node] = "done"
-
-    for name in sorted(graph):
-        if name not in state:
-            visit(name, [name])
-    assert not circles, circles

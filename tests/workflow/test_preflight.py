@@ -223,7 +223,7 @@ def test_a_lora_block_may_omit_keys_and_name_all_linear():
 
 
 def test_gpu_count_reads_the_driver_and_cuda_visible_devices(tmp_path, monkeypatch):
-    from stages.lib.params import _cuda_visible, visible_nvidia_gpus
+    from stages.lib.environment import _cuda_visible, visible_nvidia_gpus
     for bus in ("0000:01:00.0", "0000:41:00.0"):
         (tmp_path / bus).mkdir()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)

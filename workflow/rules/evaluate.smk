@@ -67,7 +67,7 @@ rule report:
         # which files each source named), so the bundle is rebuilt when a source's bytes change.
         normalize_stats=rules.normalize.output.stats,
         sources=rules.normalize.input.sources,
-        # report's `verify` recomputes metrics with lib/scoring.py (evaluate's code) and the environment with lib's.
+        # report's `verify` recomputes metrics with evidence/scoring.py (evaluate's code) and the environment with lib's.
         code=code_deps("stages.report"),
         defaults=defaults_input("report"),
     output:

@@ -1,8 +1,9 @@
 """Scoring the frozen probe: prove per-pair rows are the frozen probe, score them, paired bootstrap.
 
-The evaluate stage (stages/evaluate.py) runs this on the training stages' probe files; the report stage's
-`verify` recomputes a bundle's metrics with the same functions, so both live here in lib (stages import
-lib only). stages/evaluate.py's docstring describes the checks, the scores and the bootstrap.
+The evaluate stage (stages/evaluate.py) runs this on the training stages' probe files, the judge stage
+(evaluate_generation) on its judgments and rounds_metrics on each round's; the report stage's `verify` recomputes
+a bundle's metrics with the same functions, so they live here, in the evidence package, once (no stage imports
+another). stages/evaluate.py's docstring describes the checks, the scores and the bootstrap.
 """
 from __future__ import annotations
 

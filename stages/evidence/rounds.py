@@ -19,7 +19,8 @@ the EOS tokenize appends when the rendering has no end-of-turn). Pair ids are co
 (the first 24 hex, as contracts.pair_id_of cuts a content hash), so the same samples give the same ids.
 
 `rounds_record` assembles metrics/rounds.json from each round's probe metrics, judgments and pair report.
-Pure functions only (no model, no file): stages/round_pairs.py and stages/report.py call them.
+Pure functions only (no model, no file): stages/round_pairs.py, stages/rounds_metrics.py and the report
+(stages/evidence/bundle.py render_rounds_section) call them.
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ import pyarrow as pa
 
 from stages.lib.contracts import TOKENS_SCHEMA, pair_id_of, token_hash
 from stages.lib.io import sha256_json
-from stages.lib.scoring import bootstrap_indices, percentile_interval
+from stages.evidence.scoring import bootstrap_indices, percentile_interval
 
 REJECT_REASONS = ("too_long", "tie", "margin")
 STOPPED = ("eos", "end_of_turn")          # stop reasons of a finished completion (contracts.STOP_REASONS less the cut)

@@ -1,4 +1,4 @@
-"""Iterative DPO rounds' pure parts (stages/lib/rounds.py, issue 36): pairs from scored samples with a reason for
+"""Iterative DPO rounds' pure parts (stages/evidence/rounds.py, issue 36): pairs from scored samples with a reason for
 every prompt without one, the token rows train_dpo reads, and metrics/rounds.json's per-round record."""
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from stages.lib.contracts import TOKENS_SCHEMA, token_hash, token_hash_problem
-from stages.lib.rounds import (REJECT_REASONS, RoundPairsError, Sample, build_round_pairs, content_of, head_to_head,
-                               pairs_report, pairs_table, prompt_id, rejections_table, render_rounds_section,
-                               rounds_record, select_prompts, unique_prompts)
-from stages.lib.scoring import bootstrap_indices
+from stages.evidence.rounds import (REJECT_REASONS, RoundPairsError, Sample, build_round_pairs, content_of, head_to_head,
+                                    pairs_report, pairs_table, prompt_id, rejections_table, render_rounds_section,
+                                    rounds_record, select_prompts, unique_prompts)
+from stages.evidence.scoring import bootstrap_indices
 
 EOS = 2
 CLOSING = [EOS]               # a rendering without an end-of-turn: tokenize appends the EOS
