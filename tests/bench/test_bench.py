@@ -362,3 +362,74 @@ def test_optim_bench_bytes_model_counts_the_flat_buffers_and_its_dry_run_reports
     if importlib.util.find_spec("bitsandbytes") is None:
         assert got["bnb_adamw8bit"]["skipped"].startswith("not importable: ModuleNotFoundError")
     assert "| ours_bf16_sr_8bit |" in run.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists() or not (SHARED_DATA / "tokenizers" / "gpt2").exists(),
+                    reason=f"shared data not present at {SHARED_DATA}")
+def test_rounds_bench_runs_a_round_of_the_real_stages_on_cpu(tmp_path):
+    """bench/rounds_bench.py `--modes ours` on the tiny shape with 4 HH prompts: the policy is made to sample EOS at
+    a set rate (a random-init model never ends a completion otherwise), round_pairs samples and labels every prompt (each
+    becomes a pair or a rejection with its reason), ref_logps scores the new pairs and train_dpo trains them from
+    --init-model; the result has every part's seconds and throughput and the record of the run."""
+    import rounds_bench
+    out = tmp_path / "out"
+    result = rounds_bench.main(["--shared", str(SHARED_DATA.parent), "--out", str(out), "--shape", "tiny",
+                                "--prompts", "4", "--probe-pairs", "4", "--n", "3", "--max-new-tokens", "8",
+                                "--eos-every", "3", "--modes", "ours", "--work", str(tmp_path / "work")])
+    assert json.loads((out / "result.json").read_text()) == json.loads(json.dumps(result))
+    for key in ("command", "git_commit", "date", "machine", "transformers", "settings", "note", "differences_from_trl"):
+        assert result[key], key
+    assert result["machine"]["torch"] and result["settings"]["n"] == 3
+    assert result["workload"]["round_prompts"] == 4
+    assert result["workload"]["excluded_from_train"] == {"probe_prompt_leak": 0}
+    eos = result["models"]["policy"]["eos"]
+    assert eos["eos_row_norm_before"] == 0.0 and eos["eos_row_norm"] > 0
+    assert eos["calibrated_stop_rate"] == pytest.approx(1 / 3, rel=1e-3)
+    # the same rate at the first token as later (the v_proj bias makes the final hidden state nearly constant)
+    assert eos["first_token_stop_rate"] == pytest.approx(1 / 3, rel=0.1) and eos["v_bias"]["scale"] > 0
+    summary = result["ours_summary"]
+    sl = summary["sample_and_label"]
+    assert sl["samples"] == 4 * 3 and sl["generated_tokens"] > 0 and sl["generated_tokens_per_s"] > 0
+    assert sl["pairs"] + sum(sl["rejected"].values()) == 4 and set(sl["rejected"]) == {"too_long", "tie", "margin"}
+    assert sum(sl["stop_reasons"].values()) == 12 and sl["sampling_s"] > 0 and sl["labeling_s"] > 0
+    assert sl["pairs"] > 0, sl                     # with EOS about every 3rd token, most samples end well inside 8
+    assert summary["ref_logps"]["tokens"] > 0 and summary["ref_logps"]["pass_s"] > 0
+    tr = summary["train_dpo"]
+    assert tr["optimizer_steps"] > 0 and tr["tokens_per_s"] > 0 and tr["train_s"] > 0
+    assert summary["round_wall_s"] == pytest.approx(sum(summary[k]["wall_s"] for k in ("sample_and_label", "ref_logps",
+                                                                                       "train_dpo")), abs=0.05)
+    assert tr["train_pairs"] == sl["pairs"] and f"--init-model {result['models']['policy']['dir']}" in (
+        result["ours"]["train_dpo"]["launch"])
+    assert result["ours"]["round_pairs"]["launch"].startswith("-m stages.round_pairs --params")
+    assert result["params"]["rounds"]["judge"] == "trained" and result["params"]["dpo"]["loss"] == "sigmoid"
+    for name in ("ours_round_pairs.perf.json", "ours_round_ref_logps.perf.json", "ours_round_train_dpo.perf.json",
+                 "ours_pairs_report.json", "ours_round_train_dpo_train_log.csv"):
+        assert (out / name).exists(), name
+    rows = {r["part"]: r for r in result["side_by_side"]}
+    assert rows["sampling"]["ours_samples"] == 12 and rows["sampling"]["trl_s"] is None
+    assert "trl" not in result
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "tokenizers" / "gpt2").exists(), reason=f"shared data not present at {SHARED_DATA}")
+def test_rounds_bench_drops_train_pairs_that_ask_a_probe_prompt(tmp_path):
+    """The round's prompts leave out every probe prompt as freeze_probe does: a train pair whose normalized prompt
+    (whitespace collapsed) is a probe pair's leaves the train tokens; the other train prompts stay, each once."""
+    import rounds_bench
+    rows = [{"chosen": f"\n\nHuman: question {i}?\n\nAssistant: yes {i}", "rejected": f"\n\nHuman: question {i}?"
+             f"\n\nAssistant: no {i}"} for i in range(4)]
+    rows.append({"chosen": "\n\nHuman: question   1?\n\nAssistant: sure", "rejected": "\n\nHuman: question   1?"
+                 "\n\nAssistant: never"})                      # the probe asks train row 1's question again
+    hh = tmp_path / "hh.jsonl.gz"
+    with gzip.open(hh, "wt") as f:
+        f.write("\n".join(json.dumps(r) for r in rows) + "\n")
+    work = tmp_path / "work"
+    work.mkdir()
+    gpu_bench.prepare_tokens(hh, SHARED_DATA / "tokenizers" / "gpt2", 4, 1, 128, work)
+    assert rounds_bench.drop_probe_prompt_leaks(work) == {"probe_prompt_leak": 1}
+    prompts = rounds_bench.round_prompts(work, gpu_bench.SHAPES["tiny"]["vocab_size"])
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(SHARED_DATA / "tokenizers" / "gpt2")
+    texts = sorted(tok.decode(p) for p in prompts)
+    assert len(texts) == 3 and not any("question 1?" in t for t in texts)
+    assert all(f"question {i}?" in t for i, t in zip((0, 2, 3), texts))
