@@ -179,7 +179,7 @@ def _kill_when_running(proc: subprocess.Popen, pattern: str, after: float) -> No
 def finished_default_run(tmp_path_factory) -> Path:
     """A folder holding `repo` (a fresh-clone copy of this checkout, run to its end with `snakemake --cores 2` as
     README's first command runs it) and `home` (the empty HOME it ran with, holding the caches that run left), built
-    once per pytest session: the tests that need a finished run to break or extend (test_faults, the e2e story)
+    once per pytest session: the tests that need a finished run to extend (the e2e story, the rounds, the targeted run)
     copy it (copy_finished_run) instead of running the whole default again each (minutes each on 2 cores).
 
     Under pytest-xdist both workers share it: it lives beside their own temp folders (the session's), and a file
