@@ -138,7 +138,7 @@ def drop_probe_prompt_leaks(work: Path) -> dict:
 def round_prompts(work: Path, vocab: int) -> list[list[int]]:
     """The prompts round_pairs samples: the distinct prompts of the train tokens (rounds.prompts null = all)."""
     from stages.engine.packing import load_token_pairs
-    from stages.lib.rounds import unique_prompts
+    from stages.evidence.rounds import unique_prompts
     train = load_token_pairs(work / "train_tokens.parquet", vocab)
     return unique_prompts(train.seq_ids[0::2], [int(x) for x in train.seq_prompt_lens[0::2]])
 
