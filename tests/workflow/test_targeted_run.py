@@ -43,8 +43,9 @@ def bash(line: str, repo: Path, **env) -> subprocess.CompletedProcess:
 
 
 def interrupted_run(repo: Path, log: Path) -> None:
-    """`snakemake --cores 2` stopped (SIGTERM, as Ctrl-C's kill of the process group) once evaluate has finished and
-    report started: evaluate's new outputs are in the workspace and never recorded in dvc.lock."""
+    """`snakemake --cores 2` taken down whole (kill -9 of its process group: the OOM killer, a lost session) once
+    evaluate has finished and report started: evaluate's new outputs are in the workspace and never recorded in
+    dvc.lock. (A run stopped by SIGTERM or Ctrl-C reaches its onerror handler, which records the stages it finished.)"""
     clean = {k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")}
     with open(log, "w") as f:
         proc = subprocess.Popen(["snakemake", "--cores", "2"], cwd=repo, stdout=f, stderr=subprocess.STDOUT,
@@ -58,7 +59,7 @@ def interrupted_run(repo: Path, log: Path) -> None:
         time.sleep(0.5)
     else:
         raise AssertionError("report never started")
-    os.killpg(proc.pid, signal.SIGTERM)
+    os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=300)
     assert proc.returncode != 0
 
