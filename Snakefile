@@ -89,22 +89,17 @@ onsuccess:
     # DVC's lock is shared with the commit's process (never free between the run and its record: a `dvc repro`
     # started in that gap ran beside this run), and given back after it.
     if RUN_GUARD is not None:
+        _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
         _missing = sorted({str(f) for job in workflow.dag.jobs for f in job.output if not os.path.exists(f)})
         if _missing:
             RUN_GUARD.release()
             refuse(f"integrity: declared outputs missing after the run: {', '.join(_missing)}")
         if not workflow.touch:
-            _ran = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"})
-            # The DAG's stages: a stage outside it (a targeted run such as `snakemake --cores 2 judge`) is reported
-            # by the record when its outputs no longer match, never a reason to fail the run that did its work.
-            _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
-            _handed = RUN_GUARD.handed_lock()
-            _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_ran,
-                                    "--dag", *_dag],
-                                   pass_fds=(_handed[0],) if _handed else (), env=_handed[1] if _handed else None)
+            _rc = RUN_GUARD.commit_stages(
+                sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"}), _dag)
             RUN_GUARD.release()
-            if _done.returncode != 0:
-                raise SystemExit(_done.returncode)
+            if _rc != 0:
+                raise SystemExit(_rc)
         RUN_GUARD.release()
 
 
@@ -114,16 +109,11 @@ onerror:
     # vouches for (issue 34 item 2: such an output is rebuilt). The same commit as onsuccess, checks included; a run
     # killed outright (kill -9 of snakemake) reaches no handler, and its unrecorded outputs are rebuilt.
     if RUN_GUARD is not None:
+        _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
         if not workflow.touch:
             _finished = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)
                                 if workflow.dag.finished(job)} - {"all"})
-            if _finished:
-                _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
-                _handed = RUN_GUARD.handed_lock()
-                _done = subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *_finished,
-                                        "--dag", *_dag],
-                                       pass_fds=(_handed[0],) if _handed else (), env=_handed[1] if _handed else None)
-                if _done.returncode == 0:
-                    print(f"integrity: the run failed; recorded in dvc.lock the stages it finished: "
-                          f"{', '.join(_finished)}", file=sys.stderr)
+            if _finished and RUN_GUARD.commit_stages(_finished, _dag) == 0:
+                print(f"integrity: the run failed; recorded in dvc.lock the stages it finished: "
+                      f"{', '.join(_finished)}", file=sys.stderr)
         RUN_GUARD.release()

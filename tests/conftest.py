@@ -84,9 +84,10 @@ def assets(tmp_path):
 # ordering, not the measure, that matters (largest first keeps the tail short). A stale number costs speed, never
 # a result.
 SLOW_TEST_COST_S, TEST_COST_S = 60, 1
-# Seconds per file in a two-worker run of README's test command on 2 cores (each file's setup and calls, while the
-# other worker ran too). test_rounds_e2e includes building the session's finished default run (its first user), so
-# the other worker starts on test_faults, which builds its own, and neither waits for the other.
+# Seconds per file, rounded, from the slowest-test durations of two-worker runs of README's test command on 2 cores
+# (each file's setup and calls, while the other worker ran too). test_rounds_e2e is put first on purpose: it builds
+# the session's finished default run (its first user), so the other worker starts on test_faults, which builds its
+# own, and neither waits for the other.
 MEASURED_COST_S = {
     "tests/workflow/test_rounds_e2e.py": 900,
     "tests/workflow/test_faults.py": 850,

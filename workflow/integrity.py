@@ -646,6 +646,16 @@ class RunGuard:
             return None
         return fd, {**os.environ, HELD_LOCK: f"{fd}:{os.getpid()}"}
 
+    def commit_stages(self, ran: list[str], dag: list[str]) -> int:
+        """`sync_dvc.py --commit-lock` of the stages `ran` (the Snakefile's onsuccess and onerror records), in a
+        process that shares this run's hold on DVC's lock -> its exit code. `dag`: the run's DAG; a stage outside it
+        (a targeted run such as `snakemake --cores 2 judge`) is reported by the record when its outputs no longer
+        match, never a reason to fail the run that did its work."""
+        import subprocess
+        handed = self.handed_lock()
+        return subprocess.run([sys.executable, "workflow/sync_dvc.py", "--commit-lock", "--ran", *ran, "--dag", *dag],
+                              pass_fds=(handed[0],) if handed else (), env=handed[1] if handed else None).returncode
+
     def watch_jobs(self) -> None:
         """Start the watchdog (`python workflow/integrity.py --watch-jobs-of PID`): when this Snakemake process
         ends (kill -9 included), whatever it started that still runs (a stage's torchrun and its workers) is
