@@ -4,6 +4,7 @@ real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py kernels
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model <model_dir> <token_parquet> <out.pt>
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py model_lora <model_dir> <token_parquet> <out.pt>
+    TRITON_INTERPRET=1 python tests/triton_interpret_checks.py decode_attention
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_adamw
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_lowbit
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py lowbit_geometry
@@ -107,6 +108,34 @@ def model_outputs(model_dir: str, parquet: str, out: str, lora: bool = False) ->
     logps.sum().backward()
     torch.save({"logps": logps.detach(), "calls": calls, "routed": lm.prefpipe_fused_kernels,
                 "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}, out)
+
+
+def check_decode_attention(device: str = "cpu") -> None:
+    """kernels.decode_attention against the decode step's masked two-matmul attention in float64 (the form the
+    CPU path runs, generation_attention_forward without a key count), GQA groups of 1, 7 and 8 query heads a KV
+    head, rows of 1 key to the whole cache, a block boundary crossed, keys past a row's count holding garbage
+    (never read, so they must not matter)."""
+    from stages.engine import kernels
+    from stages.engine.generation import generation_attention_forward
+    torch.manual_seed(0)
+    for b, hq, hkv, length, d in ((3, 4, 4, 9, 16), (4, 14, 2, 130, 64), (2, 16, 2, 70, 32)):
+        dtype = torch.float32 if device == "cpu" else torch.bfloat16
+        q = torch.randn(b, 1, hq, d, device=device).to(dtype).transpose(1, 2)       # HF's [B, Hq, 1, D] view
+        k = torch.randn(b, hkv, length, d, device=device).to(dtype)
+        v = torch.randn(b, hkv, length, d, device=device).to(dtype)
+        count = torch.tensor([1, length, min(65, length), length - 3][:b], device=device)
+        mask = torch.arange(length, device=device)[None, :] < count[:, None]
+        k.masked_fill_(~mask[:, None, :, None], 1e4)         # past a row's keys: values that would dominate
+        v.masked_fill_(~mask[:, None, :, None], 1e4)
+        assert kernels.decode_attention_supported(q, k)
+        out = kernels.decode_attention(q, k, v, count, d ** -0.5)
+        ref, _ = generation_attention_forward(None, q.double(), k.double(), v.double(), None, d ** -0.5,
+                                              prefpipe_key_mask=mask)
+        assert out.shape == (b, 1, hq, d)
+        tol = 2e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
+    assert not kernels.decode_attention_supported(torch.randn(2, 4, 2, 16, device=device), k)   # two query tokens
+    print("decode attention ok")
 
 
 def check_flat_adamw(device: str = "cpu") -> None:
@@ -444,6 +473,8 @@ if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     if sys.argv[1] == "kernels":
         check_kernels()
+    elif sys.argv[1] == "decode_attention":
+        check_decode_attention()
     elif sys.argv[1] == "flat_adamw":
         check_flat_adamw()
     elif sys.argv[1] == "flat_lowbit":

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,9 +54,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from stages.engine import kernels
 from stages.engine.lowbit_adamw import MASK32, mix32
-from stages.engine.modeling import (load_causal_lm, packed_attention_forward, reward_pad_token_id,
-                                    use_fused_kernels)
+from stages.engine.modeling import (load_causal_lm, make_grouped_weights_adjacent, packed_attention_forward,
+                                    reward_pad_token_id, use_fused_kernels)
 from stages.engine.packing import TokenPairs
 from stages.lib.contracts import STOP_REASONS  # noqa: F401 - the reasons a Completion's stop_reason takes
 from stages.lib.reference import is_adapter_dir, judge_head_problem  # noqa: F401 - the stages import it here
@@ -211,16 +213,21 @@ class GenerationCache:
 def generation_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                                  attention_mask, scaling: float | None = None, dropout: float = 0.0,
                                  sliding_window: int | None = None, prefpipe_key_mask: torch.Tensor | None = None,
-                                 **kwargs):
-    """A decode step (prefpipe_key_mask [B, L] bool: the keys each row may read): query [B, Hq, 1, D] against the
-    cache [B, Hkv, L, D] -> ([B, 1, Hq, D], None). Anything else (the prefill, the scoring passes) is training's
-    packed attention."""
+                                 prefpipe_key_count: torch.Tensor | None = None, **kwargs):
+    """A decode step (prefpipe_key_mask [B, L] bool: the keys each row may read, its first prefpipe_key_count[b]):
+    query [B, Hq, 1, D] against the cache [B, Hkv, L, D] -> ([B, 1, Hq, D], None). Anything else (the prefill, the
+    scoring passes) is training's packed attention. On CUDA (the decode step passes prefpipe_key_count there
+    only) one Triton kernel reads each row's own keys (kernels.decode_attention); elsewhere two matmuls over the
+    whole cache, masked, as the module docstring says."""
     if prefpipe_key_mask is None:
         return packed_attention_forward(module, query, key, value, attention_mask, scaling, dropout,
                                         sliding_window, **kwargs)
     if sliding_window is not None:
         raise NotImplementedError("sliding-window attention layers are not supported by generation")
     b, hq, _, d = query.shape
+    if prefpipe_key_count is not None and kernels.decode_attention_supported(query, key):
+        return kernels.decode_attention(query, key, value, prefpipe_key_count,
+                                        scaling if scaling is not None else d ** -0.5), None
     hkv = key.shape[1]
     q = query.reshape(b, hkv, hq // hkv, d)                    # the query heads of each KV head, in HF's order
     scores = torch.matmul(q, key.transpose(-1, -2)).float()    # [B, Hkv, G, L]
@@ -314,14 +321,17 @@ class _DecodeStep:
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.key_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
         self.key_index = torch.arange(length, device=device)
+        # CUDA: the keys each row reads, as a count, for the decode-attention kernel (generation_attention_forward)
+        self.key_count = torch.zeros(batch, dtype=torch.int64, device=device) if device.type == "cuda" else None
         self.graph = None
         self.logits: torch.Tensor | None = None
         self.want_graph = graphs
         self.graph_state: dict = {"enabled": False, "reason": "off" if not graphs else "not captured yet"}
 
     def _forward(self) -> torch.Tensor:
+        counts = {} if self.key_count is None else {"prefpipe_key_count": self.key_count}
         out = self.model(input_ids=self.tokens, position_ids=self.positions, **self.cache_kw, use_cache=True,
-                         prefpipe_key_mask=self.key_mask)
+                         prefpipe_key_mask=self.key_mask, **counts)
         return out.logits[:, -1]
 
     def __call__(self, tokens: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
@@ -329,6 +339,8 @@ class _DecodeStep:
         self.positions[:, 0].copy_(lengths)
         self.cache.step_pos.copy_(lengths)
         torch.le(self.key_index[None, :], lengths[:, None], out=self.key_mask)
+        if self.key_count is not None:
+            torch.add(lengths, 1, out=self.key_count)
         if self.graph is not None:
             self.graph.replay()
             return self.logits
@@ -362,10 +374,12 @@ class _DecodeStep:
 @torch.no_grad()
 def generate(model: nn.Module, prompts: list[np.ndarray], prompt_keys: list[int], settings: GenerationSettings,
              stop: StopTokens, pad_token_id: int, device: torch.device, cuda_graphs: bool = False,
-             on_batch=None) -> GenerationRun:
+             on_batch=None, phase_seconds: dict | None = None) -> GenerationRun:
     """`settings.n` completions of every prompt (token id arrays), in (prompt, sample) order. prompt_keys: one
     integer per prompt naming its random stream (the same prompt gets the same draws in every call). The model
-    must use GENERATION_ATTENTION (load_policy_lm). on_batch(done_items, total_items): progress."""
+    must use GENERATION_ATTENTION (load_policy_lm). on_batch(done_items, total_items): progress. phase_seconds: a
+    dict that gets the seconds of the prefills ("prefill") and of the decode loops ("decode") and the decode steps run
+    ("decode_steps") added to it; it synchronizes the device around each phase, so only benches pass one."""
     if settings.max_new_tokens < 1:
         raise GenerationError("generation.max_new_tokens must be at least 1")
     items = [(i, k) for i in range(len(prompts)) for k in range(settings.n)]
@@ -395,7 +409,7 @@ def generate(model: nn.Module, prompts: list[np.ndarray], prompt_keys: list[int]
             seqs = [prompts[i] for i, _ in chunk] + [np.array([pad_token_id])] * (rows - len(chunk))
             keys = torch.cat([keys_all[start:start + len(chunk)], torch.zeros(rows - len(chunk), dtype=torch.int64)])
             tokens = _generate_batch(model, cache, step, seqs, keys.to(device), len(chunk), settings, stop_ids,
-                                     pad_token_id, device)
+                                     pad_token_id, device, phase_seconds)
             for (i, k), row in zip(chunk, tokens):
                 out.append(_completion(i, k, row, stop))
             n_batches += 1
@@ -414,7 +428,8 @@ def _completion(prompt: int, sample: int, row: list[int], stop: StopTokens) -> C
 
 def _generate_batch(model, cache: GenerationCache, step: _DecodeStep, seqs: list[np.ndarray], keys: torch.Tensor,
                     real_rows: int, settings: GenerationSettings, stop_ids: torch.Tensor, pad_token_id: int,
-                    device) -> list[list[int]]:
+                    device, phases: dict | None = None) -> list[list[int]]:
+    clock = _PhaseClock(phases, device)
     rows = len(seqs)
     lens = [len(s) for s in seqs]
     cache.reset()
@@ -429,6 +444,7 @@ def _generate_batch(model, cache: GenerationCache, step: _DecodeStep, seqs: list
     finally:
         cache.prefill = None
     logits = out.logits[0].float()
+    clock.lap("prefill")
     lengths = torch.tensor(lens, dtype=torch.int64, device=device)
     done = torch.zeros(rows, dtype=torch.bool, device=device)
     done[real_rows:] = True
@@ -438,6 +454,7 @@ def _generate_batch(model, cache: GenerationCache, step: _DecodeStep, seqs: list
         seen = torch.zeros(logits.shape, dtype=torch.bool, device=device)
         seen[torch.repeat_interleave(torch.arange(rows), torch.tensor(lens)).to(device),
              torch.as_tensor(np.concatenate(seqs), dtype=torch.int64, device=device)] = True
+    steps = 0
     for t in range(settings.max_new_tokens):
         u = uniforms(keys, t) if settings.temperature > 0 else None
         token = sample_next(logits, settings.temperature, settings.top_p, u, settings.top_k, seen,
@@ -451,7 +468,32 @@ def _generate_batch(model, cache: GenerationCache, step: _DecodeStep, seqs: list
             break
         logits = step(token, lengths).float()
         lengths += 1
+        steps += 1
+    clock.lap("decode", decode_steps=steps)
     return generated[:real_rows].cpu().tolist()
+
+
+class _PhaseClock:
+    """Adds each phase's seconds to `phases` (generate's phase_seconds), synchronizing the device at each lap so a
+    phase's queued kernels count in it; a no-op when phases is None (the stages: no extra syncs)."""
+
+    def __init__(self, phases: dict | None, device):
+        self.phases, self.device = phases, device
+        self.t = self._now() if phases is not None else 0.0
+
+    def _now(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    def lap(self, name: str, **counts: int) -> None:
+        if self.phases is None:
+            return
+        now = self._now()
+        self.phases[name] = self.phases.get(name, 0.0) + now - self.t
+        for key, n in counts.items():
+            self.phases[key] = self.phases.get(key, 0) + n
+        self.t = now
 
 
 # ----------------------------------------------------------------------------------------------
@@ -482,7 +524,10 @@ def as_generation_model(model: nn.Module, device: torch.device, dtype: torch.dty
     """A loaded causal LM made ready for `generate` and the scoring passes: GENERATION_ATTENTION, eval mode, no
     gradients, on `device` in `dtype` (bench/generation_bench.py calls it on models built from a config)."""
     model.set_attn_implementation(register_generation_attention())
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if device.type == "cuda":           # the grouped GEMMs (CUDA only) read their weights in place
+        make_grouped_weights_adjacent(model)
+    return model
 
 
 def load_judge(model_dir, reference_dir, device: torch.device, dtype: torch.dtype) -> nn.Module:
@@ -519,7 +564,10 @@ def load_judge(model_dir, reference_dir, device: torch.device, dtype: torch.dtyp
     pad_dir = reference_dir if is_adapter_dir(model_dir) else model_dir
     model.config.pad_token_id, model.prefpipe_pad_source = reward_pad_token_id(pad_dir, model.config)
     model.prefpipe_fused_kernels = use_fused_kernels(model)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    model = model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    if device.type == "cuda":
+        make_grouped_weights_adjacent(model)
+    return model
 
 
 def stop_tokens_of(model_dirs: list, tokenizer, closing: list[int], special_ids: set[int]) -> StopTokens:

@@ -416,6 +416,79 @@ if triton is not None:
         tl.store(grad_ptr + offs, tl.zeros([ROWS, B], dtype=grad_ptr.dtype.element_ty), mask=mask)
 
 
+# ----------------------------------------------------------------------------------------------
+# Decode attention over a KV cache: each row reads its own keys only
+# ----------------------------------------------------------------------------------------------
+
+if triton is not None:
+    @triton.jit
+    def _decode_attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, n_keys_ptr, scale, n_kv_heads, group,
+                                 sqb, sqh, skb, skh, skl, sob, soh,
+                                 D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr):
+        """One program per (row b, KV head h): the `group` query heads of h (one query token each) against the
+        row's first n_keys[b] cached keys/values ([B, Hkv, L, D], the rest never read), online softmax in
+        fp32 (scores unrounded, the probabilities rounded to the values' dtype for the second product)."""
+        pid = tl.program_id(0).to(tl.int64)
+        b = pid // n_kv_heads
+        h = pid % n_kv_heads
+        g = tl.arange(0, BLOCK_G)
+        d = tl.arange(0, D)
+        gmask = g < group
+        q = tl.load(q_ptr + b * sqb + (h * group + g)[:, None] * sqh + d[None, :], mask=gmask[:, None], other=0.0)
+        n_keys = tl.load(n_keys_ptr + b).to(tl.int64)
+        kv = b * skb + h * skh
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        den = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        qk_scale = scale * 1.4426950408889634                     # exp(x) = exp2(x log2 e)
+        for start in range(0, n_keys, BLOCK_N):
+            n = start + tl.arange(0, BLOCK_N)
+            nmask = n < n_keys
+            k = tl.load(k_ptr + kv + n[:, None] * skl + d[None, :], mask=nmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(nmask[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, 1))
+            p = tl.exp2(s - m_new[:, None])
+            alpha = tl.exp2(m - m_new)
+            den = den * alpha + tl.sum(p, 1)
+            v = tl.load(v_ptr + kv + n[:, None] * skl + d[None, :], mask=nmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m = m_new
+        out = acc / den[:, None]
+        tl.store(o_ptr + b * sob + (h * group + g)[:, None] * soh + d[None, :],
+                 out.to(o_ptr.dtype.element_ty), mask=gmask[:, None])
+
+
+def decode_attention_supported(query: torch.Tensor, key: torch.Tensor) -> bool:
+    """query [B, Hq, 1, D], the cache's key [B, Hkv, L, D] with D a power of two >= 16 (tl.dot's tile) and
+    Hq a multiple of Hkv, both in one 16-bit or fp32 dtype, on a device Triton runs on."""
+    if query.ndim != 4 or key.ndim != 4 or query.shape[2] != 1 or not available(query, key):
+        return False
+    b, hq, _, d = query.shape
+    hkv = key.shape[1]
+    return (key.shape[0] == b and key.shape[3] == d and hkv > 0 and hq % hkv == 0 and d >= 16 and d & (d - 1) == 0
+            and query.dtype == key.dtype and query.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and key.stride(3) == 1 and query.stride(3) == 1)
+
+
+def decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, n_keys: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Attention of one query token a row: query [B, Hq, 1, D] against key/value [B, Hkv, L, D] (value laid out as
+    key), row b reading its first n_keys[b] positions only -> [B, 1, Hq, D] (HF's attention output layout).
+    Generation's decode step on CUDA (stages/engine/generation.py): a row's cost follows its own length, not
+    the cache's, and the scores never make a round trip through memory."""
+    b, hq, _, d = query.shape
+    hkv, group = key.shape[1], hq // key.shape[1]
+    assert value.stride() == key.stride() and value.shape == key.shape
+    out = torch.empty(b, 1, hq, d, dtype=query.dtype, device=query.device)
+    if b:
+        _decode_attention_kernel[(b * hkv,)](
+            query, key, value, out, n_keys, scale, hkv, group, query.stride(0), query.stride(1), key.stride(0),
+            key.stride(1), key.stride(2), out.stride(0), out.stride(2), D=d,
+            BLOCK_G=max(16, triton.next_power_of_2(group)), BLOCK_N=64, num_warps=4)
+    return out
+
+
 def rope_supported(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     """q [T, Hq, D], k [T, Hk, D], cos/sin [T, D] with D / 2 a power of two (the kernel's vector width)."""
     if q.ndim != 3 or k.ndim != 3 or cos.shape != sin.shape or cos.ndim != 2:

@@ -199,6 +199,13 @@ def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
     check_flat_adamw("cuda")
 
 
+def test_decode_attention_kernel_equals_the_masked_matmul_attention_on_gpu():
+    """Generation's decode-attention kernel in bf16 on CUDA against the masked two-matmul form in float64 (the
+    check the CPU suite runs under Triton's interpreter in fp32)."""
+    from triton_interpret_checks import check_decode_attention
+    check_decode_attention("cuda")
+
+
 def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():
     """The low-bit modes' flat Triton kernel against LowBitAdamW's torch ops on CUDA (the interpreter check of
     tests/engine/test_kernels.py, on the GPU's own rounding: FMA contraction, round-to-nearest bf16)."""

@@ -23,6 +23,13 @@ def test_kernels_match_hf_math_forward_and_backward_under_the_interpreter():
 
 
 @needs_triton
+def test_decode_attention_kernel_equals_the_masked_matmul_attention_under_the_interpreter():
+    """Generation's CUDA decode attention (kernels.decode_attention): each row reads only its own keys, and equals
+    the masked two-matmul form the CPU path runs (tests/triton_interpret_checks.py check_decode_attention)."""
+    assert "decode attention ok" in interpret("decode_attention")
+
+
+@needs_triton
 def test_flat_adamw_equals_the_eager_master_weight_step_under_the_interpreter():
     """stages/engine/flat_adamw.py's three kernels through graphed_optimizer_step: the masters, moments and step
     counts of MasterWeightAdamW's own clipped step, the model's weights its rounded masters, a parameter

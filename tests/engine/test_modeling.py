@@ -283,6 +283,34 @@ def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias)
     run()
 
 
+def test_grouped_weights_laid_out_adjacent_keep_every_value_and_output(tmp_path):
+    """make_grouped_weights_adjacent (generation's and the judge's models on CUDA): every q/k/v and gate/up group,
+    weights and biases, becomes one storage that adjacent_rows aliases (no per-forward copy), with the same values,
+    so the model's logits are bitwise what they were; a second call finds nothing to move."""
+    from transformers import AutoModelForCausalLM
+    from stages.engine.modeling import GROUPED_PROJECTIONS, adjacent_rows, make_grouped_weights_adjacent
+    model = AutoModelForCausalLM.from_pretrained(make_tiny_model_dir(tmp_path / "m")).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.tensor([[3, 5, 7, 11, 13, 17]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    groups = make_grouped_weights_adjacent(model)
+    layers = model.config.num_hidden_layers
+    assert groups == 2 * layers                        # q/k/v and gate/up in each decoder layer
+    for module in model.modules():
+        for names in GROUPED_PROJECTIONS:
+            if all(hasattr(module, n) for n in names):
+                group = [getattr(module, n) for n in names]
+                assert adjacent_rows([m.weight for m in group]) is not None
+                if group[0].bias is not None:          # Qwen2's q/k/v carry biases
+                    assert adjacent_rows([m.bias for m in group]) is not None
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, logits)
+    assert make_grouped_weights_adjacent(model) == 2 * layers     # idempotent: already adjacent, nothing copied
+
+
 def test_model_vocab_size_is_autoconfigs_without_importing_it_for_a_plain_config(tmp_path):
     """The token check's vocab comes from config.json directly (no transformers import before the tokens are
     read) and is AutoConfig's number; a config without a top-level vocab_size goes through AutoConfig."""
