@@ -218,7 +218,7 @@ def test_a_probe_frozen_under_another_template_is_refused_by_tokenize(tmp_path):
 
     freeze("tokenizer", tmp_path / "default")
     freeze(None, tmp_path / "absent")
-    assert "chat_template" not in read_json(tmp_path / "default/probe_manifest.json")["fit"]
+    assert read_json(tmp_path / "default/probe_manifest.json")["fit"]["chat_template"]["setting"] == "tokenizer"
     assert (tmp_path / "default/probe_manifest.json").read_bytes() == \
         (tmp_path / "absent/probe_manifest.json").read_bytes()
     freeze("plain", tmp_path / "plain")
