@@ -39,10 +39,11 @@ def test_train_settings_record_writes_every_field_null_where_unset():
 def test_dpo_fingerprint_names_every_knob_whatever_the_loss():
     from stages.engine.dpo_losses import KNOBS
     from stages.engine.dpo_objective import DPOObjective
+    from stages.lib.implicit_reward import SUMMED_REWARD
     base = {"objective": "dpo_ref_free", "beta": 0.1, "loss": "sigmoid", "label_smoothing": 0.0}
     fp = DPOObjective(base).fingerprint()
     assert {"loss_weights", "implicit_reward", *KNOBS} <= set(fp)
-    assert fp["loss_weights"] is None and fp["implicit_reward"] == "summed"
+    assert fp["loss_weights"] is None and fp["implicit_reward"] == SUMMED_REWARD
     assert all(fp[k] is None for k in KNOBS)               # sigmoid reads no knob
     simpo = DPOObjective({**base, "loss": "simpo"}).fingerprint()
     assert set(simpo) == set(fp) and simpo["simpo_gamma"] is not None
