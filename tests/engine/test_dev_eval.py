@@ -41,7 +41,8 @@ def test_eval_every_writes_dev_log_rows_at_the_expected_steps_and_changes_no_tra
     log = pd.read_csv(a / "dev/dev_log.csv")
     assert list(log.columns) == ["step", "accuracy", "margin", "sigmoid_loss", "pairs"]
     assert log.step.tolist() == [0, 3, 6, 8] and (log.pairs == 24).all()
-    assert info["dev"] == {"pairs": 24, "eval_every": 3, "scored_steps": [0, 3, 6, 8]}
+    assert info["dev"] == {"pairs": 24, "eval_every": 3, "scored_steps": [0, 3, 6, 8], "selected_step": None,
+                           "selected_accuracy": None}             # no select_best: written, null
     assert info["settings"]["eval_every"] == 3
     assert log.accuracy.iloc[-1] < log.accuracy.iloc[0]          # the reversed dev preference: learning hurts it
     assert ((log.accuracy >= 0) & (log.accuracy <= 1) & (log.sigmoid_loss > 0)).all()
