@@ -42,7 +42,9 @@ import numpy as np
 
 from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, PROBE_TOKEN_MANIFEST_SCHEMA, ContractError, check_shape,
                                   token_hash, token_hash_problem)
+from stages.lib import record_formats
 from stages.lib.cli import stage_main
+from stages.lib.implicit_reward import SUMMED_REWARD
 from stages.lib.io import read_json, read_jsonl, read_parquet, sha256_file, write_json
 from stages.lib.params import ParamsError
 from stages.lib.declared_params import load_stage_params
@@ -118,7 +120,7 @@ def _run(args) -> int:
         metrics, summary = evaluate_model(kind, read_jsonl(s0_path), read_jsonl(f_path), probe_manifest,
                                           token_manifest, params, s0_path, f_path, swapped, completion_tokens=counts)
         models[kind] = (metrics, summary, out_path)
-        if "implicit_reward" in metrics:
+        if metrics["implicit_reward"] not in (None, SUMMED_REWARD):
             log.info("%s: scored on the %s implicit reward the probe rows declare (dpo.loss's own)", kind,
                      metrics["implicit_reward"])
         log.info("%s: accuracy step0 %.4f -> final %.4f [%.4f, %.4f], improvement %.4f [%.4f, %.4f]", kind,
@@ -128,6 +130,7 @@ def _run(args) -> int:
 
     ev = params["evaluate"]
     bootstrap_summary = {
+        "format": record_formats.BOOTSTRAP_SUMMARY,
         "method": "paired percentile bootstrap (scipy.stats.bootstrap paired=True, method='percentile')",
         "replicates": ev["bootstrap_replicates"],
         "seed": ev["seed"],

@@ -44,13 +44,13 @@ from typing import Callable, Iterable, Sequence
 import pyarrow as pa
 
 from stages.data.limits import TokenizeError, load_limits
-from stages.data.chat_templates import DEFAULT, setting_of
 from stages.data.pair_tokenizer import pair_tokenizer_for
 from stages.data.tokenizer import load_tokenizer, tokenizer_identity, tokenizers_only_process
 from stages.data.truncation import tokenize_pairs
 from stages.lib.cli import stage_main
 from stages.lib.contracts import (PAIR_COLUMNS, content_hash_problem, missing_pair_columns, pair_id_problem,
                                   pair_problems, probe_digest, prompt_key, row_content_hash)
+from stages.lib import record_formats
 from stages.lib.io import (ParquetStreamWriter, canonical_json, iter_parquet_batches, open_parquet, read_parquet,
                            sha256_text, write_json, write_parquet)
 from stages.lib.params import ParamsError
@@ -96,10 +96,8 @@ class ProbeFit:
         """The manifest's `fit`: what fitting meant and the pairs the walk passed over for not fitting."""
         record = {"tokenizer_identity": self.tokenizer_identity, "limits": self.limits.as_dict(),
                   "skipped": sum(skipped.values()), "skipped_by_reason": dict(sorted(skipped.items()))}
-        # The rendering decides the lengths: tokenize holds a probe frozen under another template to it. Recorded only
-        # when tokenize.chat_template is set to other than the default, so the default's manifest stays as it was.
-        if setting_of(self.tok_params) != DEFAULT:
-            record["chat_template"] = self.pair_tokenizer().chat_template.record()
+        # The rendering decides the lengths: tokenize holds a probe frozen under another template to it.
+        record["chat_template"] = self.pair_tokenizer().chat_template.record()
         return record
 
 
@@ -291,9 +289,9 @@ def probe_manifest(size: int, seed: int, pair_ids, hashes, probe_rows, excluded_
     builder of both paths (in memory, streaming), so their manifests cannot drift apart."""
     probe_ids = [pair_ids[i] for i in probe_rows]
     probe_hashes = [hashes[i] for i in probe_rows]
-    fit = {} if fit_record is None else {"fit": fit_record}
     return {
-        **fit,
+        "format": record_formats.PROBE_MANIFEST,
+        "fit": fit_record,
         "size": size,
         "seed": seed,
         "selection": SELECTION + (FIT_SELECTION if fit_record is not None else ""),
@@ -302,6 +300,7 @@ def probe_manifest(size: int, seed: int, pair_ids, hashes, probe_rows, excluded_
         "probe_digest": probe_digest(probe_ids, probe_hashes),
         "train_pairs": train_pairs,
         "excluded_from_train": [{"pair_id": pair_ids[i], "reason": LEAK} for i in excluded_rows],
+        "dev": None,                  # the dev split's record (probe.dev_size > 0): dev_manifest
     }
 
 

@@ -46,6 +46,7 @@ from stages.engine.packing import load_token_pairs
 from stages.engine.settings import TrainSettings
 from stages.lib.cli import exit_after_success
 from stages.lib.contracts import GENERATION_SIDES as SIDES, GENERATIONS_SCHEMA, STOP_REASONS, ContractError
+from stages.lib import record_formats
 from stages.lib.io import MEASUREMENT, canonical_json, read_parquet, write_json, write_parquet
 from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import load_verified_dir, pinned_model_record
@@ -183,6 +184,7 @@ def _rows(pair_ids, messages, prompts, runs, scores, tokenizer) -> list[dict]:
 def _info(params, gen, stop, closing, tokenizer, runs, record, ref_dir, policy_dir, args) -> dict:
     pinned = params["generation"]["policy"] != "trained"
     return {
+        "format": record_formats.GENERATION_INFO,
         # The sampling knobs the engine ran with (generate's rule reruns it for each): the grader and the judge
         # decide nothing here, and a record naming them would go stale when they change.
         "settings": {k: params["generation"][k] for k in GenerationSettings.KNOBS},

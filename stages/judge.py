@@ -164,9 +164,9 @@ def _run(args) -> None:
                      metrics["win_rate_ci_low"], metrics["win_rate_ci_high"], metrics["n_prompts"],
                      metrics["samples_per_prompt"], metrics["ties"], metrics["reward_diff"],
                      metrics["reward_diff_ci_low"], metrics["reward_diff_ci_high"],
-                     metrics["length"]["reward_diff_at_equal_length"], "KL" if "kl" in metrics else
+                     metrics["length"]["reward_diff_at_equal_length"], "KL" if metrics["kl"] is not None else
                      "log-ratio (greedy: not a KL)", kl["per_completion"])
-            if "grader" in metrics:
+            if metrics["grader"] is not None:
                 g = metrics["grader"]
                 log.info("grader %s: success policy %.4f [%.4f, %.4f], reference %.4f [%.4f, %.4f], difference %.4f "
                          "[%.4f, %.4f]; judge agrees on %s of %d differing completions", g["name"],

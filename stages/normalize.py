@@ -40,6 +40,7 @@ from stages.data.sources import BLANK, SourceError, SourceRow, iter_source_rows,
 from stages.data.spill import PairSpill, TableSink
 from stages.lib.cli import stage_main
 from stages.lib.contracts import PAIRS_SCHEMA, content_hash
+from stages.lib import record_formats
 from stages.lib.io import ParquetStreamWriter, data_location, write_json
 from stages.lib.params import ParamsError
 from stages.lib.declared_params import load_stage_params
@@ -95,7 +96,7 @@ def normalize_sources(sources: list[dict], base_dir: str | Path = ".", out: Norm
             totals[k] += s[k]
         for r, n in s["rejected"].items():
             totals["rejected"][r] += n
-    out.stats = {"sources": per_source, "totals": totals}
+    out.stats = {"format": record_formats.NORMALIZE_STATS, "sources": per_source, "totals": totals}
     return out
 
 

@@ -41,6 +41,7 @@ from stages.engine.settings import TrainSettings
 from stages.lib.cli import exit_after_success
 from stages.lib.contracts import ContractError
 from stages.lib.graders import GraderError, grade, grader_spec
+from stages.lib import record_formats
 from stages.lib.io import MEASUREMENT, read_parquet, sha256_json, write_json, write_parquet
 from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import load_verified_dir
@@ -184,7 +185,7 @@ def _run(args) -> None:
         if env.is_main:
             write_parquet(args.pairs, pairs_table(rows))
             write_parquet(args.rejections, rejections_table(rejections))
-            report = {"round": args.round, **pairs_report(rows, rejections, samples),
+            report = {"format": record_formats.ROUND_PAIRS_REPORT, "round": args.round, **pairs_report(rows, rejections, samples),
                       "settings": {"n": gen.n, "temperature": gen.temperature, "top_p": gen.top_p,
                                    "max_new_tokens": gen.max_new_tokens, "seed": gen.seed,
                                    "min_margin": params["rounds"]["min_margin"], "prompts": params["rounds"]["prompts"],

@@ -43,12 +43,12 @@ from stages.engine.packing import TokenPairs, load_token_pairs
 from stages.engine.settings import TrainConfigError, TrainSettings
 from stages.engine.sft_objective import SFTObjective, sft_token_pairs
 from stages.lib.cli import exit_after_success
+from stages.lib import record_formats
 from stages.lib.io import read_parquet, sha256_json, write_json
 from stages.lib.declared_params import load_stage_params
 from stages.lib.reference import pin_own_model, read_identity
 
 log = logging.getLogger("sft")
-SFT_DATA_FORMAT = "prefpipe-sft-data/1"
 
 
 DEV_KEYS = ("eval_every", "select_best")
@@ -97,7 +97,8 @@ def sft_examples(params: dict, model_dir: Path, args, refusals: Refusals) -> tup
             raise SFTDataError("sft.sources is null (Preferred-FT): --train-tokens is required")
         train = load_token_pairs(args.train_tokens, model_vocab_size(model_dir))
         ids, seqs, plens = preferred_ft(train, refusals)
-        data = {"mode": "preferred_ft", "from": args.train_tokens, "rows_read": len(train)}
+        data = {"mode": "preferred_ft", "from": args.train_tokens, "rows_read": len(train), "sources": None,
+                "examples_by_source": None}
     else:
         if not args.probe:
             raise SFTDataError("sft.sources is set: --probe (probe.parquet) is required to keep probe prompts out")
@@ -111,7 +112,7 @@ def sft_examples(params: dict, model_dir: Path, args, refusals: Refusals) -> tup
         by_source: dict[str, int] = {}
         for ex, _, _ in tokenized:
             by_source[ex.source] = by_source.get(ex.source, 0) + 1
-        data = {"mode": "sources", "sources": sources, "examples_by_source": by_source}
+        data = {"mode": "sources", "from": None, "rows_read": None, "sources": sources, "examples_by_source": by_source}
     if not ids:
         raise SFTDataError(f"no SFT example left to train on (refused: {refusals.record()['by_reason']})")
     digest = examples_digest(list(zip(ids, seqs, plens)))
@@ -174,7 +175,7 @@ def _run(args) -> dict:
             repo_id = f"sft/{base['repo_id'] if base else model_dir.name}"
             identity = pin_own_model(out_dir / "model", repo_id, provenance)
             write_json(out_dir / "ref_identity.json", identity)
-            write_json(out_dir / "sft_data.json", {"format": SFT_DATA_FORMAT, **data, "refused": refusals.record(),
+            write_json(out_dir / "sft_data.json", {"format": record_formats.SFT_DATA, **data, "refused": refusals.record(),
                                                    "provenance": provenance,
                                                    "identity_digest": identity["identity_digest"]})
             log.info("pinned %s as %s: identity_digest %s", out_dir / "model", repo_id, identity["identity_digest"])

@@ -47,6 +47,7 @@ from stages.lib.cli import stage_main
 from stages.lib.contracts import (PROBE_MANIFEST_SCHEMA, TOKENS_SCHEMA, ContractError, check_shape,
                                   content_hash_problem, pair_id_problem, pair_problems, probe_digest,
                                   row_content_hash, token_digest)
+from stages.lib import record_formats
 from stages.lib.io import (ParquetStreamWriter, canonical_json, display_path, iter_parquet_batches, open_parquet,
                            read_json, read_parquet, write_json)
 from stages.lib.params import ParamsError
@@ -92,7 +93,7 @@ def check_probe_matches_manifest(probe_pairs: list[dict], manifest: dict, probe_
 def read_dev(manifest: dict, manifest_path: str, dev_path: str | None) -> list[dict]:
     """The dev split freeze_probe froze beside the probe (its manifest's `dev`), checked as the probe is; [] when
     there is none (then --dev must not be given)."""
-    if "dev" not in manifest:
+    if manifest.get("dev") is None:
         if dev_path:
             raise TokenizeError(f"--dev {dev_path} is given but {manifest_path} freezes no dev split "
                                 "(probe.dev_size 0)")
@@ -123,15 +124,15 @@ def check_probe_complete(rejections: list[dict], pairs_in: int, limits: Tokenize
 
 def check_probe_fit(manifest: dict, manifest_path: str, tok_identity: str, limits: TokenizeLimits,
                     chat_template: ChatTemplate | None = None) -> None:
-    """The probe was drawn to fit this tokenizer under these limits and this rendering (its manifest's `fit`; the
-    rendering recorded only when tokenize.chat_template is not the default), or it may not fit."""
+    """The probe was drawn to fit this tokenizer under these limits and this rendering (its manifest's `fit`), or it
+    may not fit."""
     fit = manifest.get("fit")
     if fit is not None and (fit["tokenizer_identity"], fit["limits"]) != (tok_identity, limits.as_dict()):
         raise TokenizeError(f"{manifest_path}: the probe was frozen to fit tokenizer {fit['tokenizer_identity']} "
                             f"under {canonical_json(fit['limits'])}, but tokenize runs tokenizer {tok_identity} under "
                             f"{canonical_json(limits.as_dict())}; rerun freeze_probe with these settings")
-    want = chat_template.record() if chat_template is not None and chat_template.setting != DEFAULT else None
-    if fit is not None and fit.get("chat_template") != want:
+    want = chat_template.record() if chat_template is not None else None
+    if fit is not None and want is not None and fit.get("chat_template") != want:
         raise TokenizeError(f"{manifest_path}: the probe was frozen to fit the rendering "
                             f"{canonical_json(fit.get('chat_template') or DEFAULT)}, but tokenize renders with "
                             f"{canonical_json(want or DEFAULT)}; rerun freeze_probe with these settings")
@@ -307,11 +308,10 @@ def tokenize_report(splits: dict[str, dict], limits: TokenizeLimits, rendering: 
             totals["truncated_by_reason"][k] += v
     totals["rejected_by_reason"] = dict(sorted(totals["rejected_by_reason"].items()))
     template_warnings = [chat_template.warning] if chat_template is not None and chat_template.warning else []
-    report = {"limits": limits.as_dict(), "rendering": rendering, "tokenizer_identity": tok_identity,
-              "splits": splits, "totals": totals, "warnings": template_warnings + length_loss_warnings(splits, limits)}
-    if chat_template is not None:
-        report["chat_template"] = chat_template.record()
-    return report
+    return {"format": record_formats.TOKENIZE_REPORT, "limits": limits.as_dict(), "rendering": rendering,
+            "tokenizer_identity": tok_identity, "splits": splits, "totals": totals,
+            "warnings": template_warnings + length_loss_warnings(splits, limits),
+            "chat_template": chat_template.record() if chat_template is not None else None}
 
 
 def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity: str,
@@ -323,13 +323,10 @@ def probe_token_manifest(probe_rows: list[dict], probe_digest: str, tok_identity
     index = {pid: i for i, pid in enumerate(pair_ids)}
     truncated = sorted(({"index": index[t["pair_id"]], **t, "token_hash": hashes[index[t["pair_id"]]]}
                         for t in truncations), key=lambda t: t["index"])
-    manifest = {"pair_ids": pair_ids, "token_hashes": hashes,
-                "token_digest": token_digest(pair_ids, hashes),
-                "probe_digest": probe_digest, "tokenizer_identity": tok_identity}
-    if limits is not None:
-        manifest["limits"] = limits.as_dict()
-    manifest["truncated"] = truncated
-    return manifest
+    return {"format": record_formats.PROBE_TOKEN_MANIFEST, "pair_ids": pair_ids, "token_hashes": hashes,
+            "token_digest": token_digest(pair_ids, hashes), "probe_digest": probe_digest,
+            "tokenizer_identity": tok_identity, "limits": limits.as_dict() if limits is not None else None,
+            "truncated": truncated}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ import pyarrow as pa
 import yaml
 
 from stages.engine.settings import TrainSettings
+from stages.lib import record_formats
 from stages.lib.environment import environment_record
 from stages.lib.io import sha256_json, write_json, write_jsonl, write_parquet
 from stages.lib.stage_plan import bundle_artifacts
@@ -109,7 +110,7 @@ def write_train_dir(out: Path, seed: int, record: dict, objective: str, settings
     # run_info as the trainer writes it (a hashed output: deterministic, no host, path or timing), plus the per-rank
     # plan that environment.json's whitelist leaves out.
     write_json(out / "run_info.json", {
-        "world_size": 1, "backend": "gloo", "environment": record, "objective": objective, "settings": settings,
+        "format": record_formats.RUN_INFO, "world_size": 1, "backend": "gloo", "environment": record, "objective": objective, "settings": settings,
         "train_pairs": TRAIN_PAIRS, "probe_pairs": probe_pairs, "optimizer_steps": steps,
         "per_rank": [{"rank": 0, "pairs": TRAIN_PAIRS, "micro_batches": steps}]})
     model = out / "model"
@@ -208,9 +209,10 @@ def write_sft(root: Path, params: dict, record: dict, seed: int, probe_pairs: in
                   "data_digest": "4" * 64, "settings_digest": "5" * 64, "objective": {"objective": "sft"}}
     sources = params["sft"].get("sources")
     write_json(out / "sft_data.json", {
-        "format": "prefpipe-sft-data/1", "mode": "preferred_ft" if sources is None else "sources",
-        **({"from": "results/tokens/train_tokens.parquet", "rows_read": TRAIN_PAIRS} if sources is None else
-           {"sources": sources, "examples_by_source": {"embedded_sft": TRAIN_PAIRS}}),
+        "format": record_formats.SFT_DATA, "mode": "preferred_ft" if sources is None else "sources",
+        **({"from": "results/tokens/train_tokens.parquet", "rows_read": TRAIN_PAIRS, "sources": None,
+            "examples_by_source": None} if sources is None else
+           {"from": None, "rows_read": None, "sources": sources, "examples_by_source": {"embedded_sft": TRAIN_PAIRS}}),
         "examples": TRAIN_PAIRS, "completion_tokens": 10 * TRAIN_PAIRS, "data_digest": "4" * 64,
         "refused": {"by_reason": {}, "examples": {}}, "provenance": provenance,
         "identity_digest": identity["identity_digest"]})

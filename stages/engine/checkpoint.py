@@ -54,11 +54,15 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from stages.lib import record_formats
 from stages.lib.io import read_json, sha256_file, sha256_json, write_jsonl
 
 log = logging.getLogger("checkpoint")
 
-FORMAT_VERSION = 2      # 2: no scheduler.pt (the learning rate is a function of the step)
+# meta.json's `format` (stages/lib/record_formats.py CHECKPOINT). prefpipe-checkpoint/3: every field written, null
+# where unset (train settings, objective params, dev_digest). Before it, an integer format_version: 1, and 2 (no
+# scheduler.pt: the learning rate is a function of the step).
+FORMAT = record_formats.CHECKPOINT
 META = "meta.json"
 TMP_PREFIX = ".tmp-"
 # Every objective a checkpoint of ours can carry -> (role, head kind). A value-head critic or a plain
@@ -125,7 +129,7 @@ def run_header(objective, settings, env, hf_model, train_pairs, probe_pairs, ref
     trajectory = {k: v for k, v in settings.record().items() if k not in NOT_IN_FINGERPRINT}
     role, head = OBJECTIVE_KINDS[objective.name]
     return {
-        "format_version": FORMAT_VERSION,
+        "format": FORMAT,
         "objective": objective.name,
         "role": role,
         "head": head,
@@ -138,8 +142,8 @@ def run_header(objective, settings, env, hf_model, train_pairs, probe_pairs, ref
         "train_settings": trajectory,
         "world_size": env.world_size,
         "parallel": settings.parallel,
-        # the dev split (probe.dev_size > 0): its scorings and the selected step are part of the run's state
-        **({"dev_digest": pairs_digest(dev_pairs)} if dev_pairs is not None else {}),
+        # the dev split (probe.dev_size > 0; else null): its scorings and the selected step are part of the run's state
+        "dev_digest": pairs_digest(dev_pairs) if dev_pairs is not None else None,
     }
 
 
@@ -149,9 +153,10 @@ def fingerprint(header: dict) -> str:
 
 def incompatibilities(meta: dict, header: dict) -> list[str]:
     """Every way a checkpoint differs from this run, most fundamental first (empty: compatible)."""
-    if meta.get("format_version") != header["format_version"]:
-        return [f"checkpoint format version {meta.get('format_version')} is not {header['format_version']} "
-                "(written by another version of this code)"]
+    if meta.get("format") != header["format"]:
+        got = meta.get("format") or f"unversioned (format_version {meta.get('format_version')})"
+        return [f"checkpoint format {got} is not this code's {header['format']} (written by another version of this "
+                "code: another trajectory, not resumed)"]
     out = []
     got = (meta.get("objective"), meta.get("role"), meta.get("head"))
     want = (header["objective"], header["role"], header["head"])

@@ -105,11 +105,10 @@ class DevEval:
                      self.best["accuracy"], self.run.state.step)
 
     def record(self) -> dict:
-        """run_info.json's `dev`."""
+        """run_info.json's `dev` (the selected step null without train.select_best)."""
         s = self.run.settings
-        out = {"pairs": len(self.run.dev_pairs), "eval_every": s.eval_every,
-               "scored_steps": [r["step"] for r in self.rows]}
-        if s.select_best:
-            out.update({"selected_step": self.best["step"] if self.best else None,
-                        "selected_accuracy": self.best["accuracy"] if self.best else None})
-        return out
+        best = self.best if s.select_best else None
+        return {"pairs": len(self.run.dev_pairs), "eval_every": s.eval_every,
+                "scored_steps": [r["step"] for r in self.rows],
+                "selected_step": best["step"] if best else None,
+                "selected_accuracy": best["accuracy"] if best else None}

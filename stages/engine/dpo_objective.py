@@ -53,19 +53,13 @@ class DPOObjective:
         if self.ref_cpu is not None:
             ref = sha256_json({k: sha256_bytes(np.ascontiguousarray(v, dtype=np.float64).tobytes())
                                for k, v in sorted(self.ref_cpu.items())})
-        fp = {"objective": self.name, "beta": self.beta, "loss": self.loss_type,
-              "label_smoothing": self.label_smoothing, "ref_logps_digest": ref}
-        # the newer knobs only where a run uses them, so the runs (and checkpoints) of the earlier options keep
-        # their fingerprint
-        if self.loss_weights is not None:
-            fp["loss_weights"] = [float(w) for w in self.loss_weights]
+        # Every knob, null where the loss uses none (a knob no term reads changes nothing, so it is not recorded).
         used = {k.key for n, _ in self.terms for k in LOSSES[n].knobs}
-        for key in KNOBS:
-            if key in used:
-                fp[key] = self.knobs[key]
-        if self.reward != SUMMED_REWARD:     # the probe rows saved with a checkpoint score this reward
-            fp["implicit_reward"] = self.reward
-        return fp
+        return {"objective": self.name, "beta": self.beta, "loss": self.loss_type,
+                "label_smoothing": self.label_smoothing, "ref_logps_digest": ref,
+                "loss_weights": None if self.loss_weights is None else [float(w) for w in self.loss_weights],
+                **{key: (self.knobs[key] if key in used else None) for key in KNOBS},
+                "implicit_reward": self.reward}     # the probe rows saved with a checkpoint score this reward
 
     def build_module(self, model_dir, train_settings, device: torch.device | None = None) -> SequenceLogProbs:
         return SequenceLogProbs(load_causal_lm(model_dir, device=device),
@@ -120,7 +114,7 @@ class DPOObjective:
 
     def probe_rows(self, probe: TokenPairs, outputs: np.ndarray, split: str = "probe") -> list[dict]:
         ref = self.ref_cpu[split] if self.ref_cpu is not None else np.zeros_like(outputs)
-        counts = self.completion_tokens(probe) if self.reward != SUMMED_REWARD else None
+        counts = self.completion_tokens(probe)
         rows = []
         for i, pid in enumerate(probe.pair_ids):
             pc, pr = float(outputs[i, 0]), float(outputs[i, 1])
@@ -128,11 +122,8 @@ class DPOObjective:
             row = {"pair_id": pid, "index": i, "token_hash": probe.token_hashes[i],
                    "policy_chosen_logp": pc, "policy_rejected_logp": pr,
                    "ref_chosen_logp": rc, "ref_rejected_logp": rr}
-            n_c = n_r = None
-            if counts is not None:
-                # a summed-reward row stays as it was before other rewards existed (the default run's bytes)
-                n_c, n_r = int(counts[i, 0]), int(counts[i, 1])
-                row.update({"chosen_tokens": n_c, "rejected_tokens": n_r, "implicit_reward": self.reward})
+            n_c, n_r = int(counts[i, 0]), int(counts[i, 1])
+            row.update({"chosen_tokens": n_c, "rejected_tokens": n_r, "implicit_reward": self.reward})
             chosen_reward = implicit_reward(self.reward, self.beta, pc, rc, n_c)
             rejected_reward = implicit_reward(self.reward, self.beta, pr, rr, n_r)
             margin = chosen_reward - rejected_reward

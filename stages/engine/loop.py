@@ -51,6 +51,7 @@ from stages.engine.steps import make_steps
 from stages.engine.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint, run_header,
                                    save_checkpoint)
 from stages.lib.environment import environment_record
+from stages.lib import record_formats
 from stages.lib.io import MEASUREMENT, write_json, write_jsonl, write_text
 from stages.engine.modeling import USED_BACKENDS, attention_backend, warm_up_fused_kernels
 from stages.engine.packing import StepPlan, TokenPairs, plan_training, planned_steps
@@ -487,6 +488,7 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
     dist.all_gather_object(reserved, peak_reserved_bytes(env), group=env.control_group)
     graph_facts, graph_times = split_measurements(graph_info)
     run_info = {
+        "format": record_formats.RUN_INFO,
         "objective": run.objective.name,
         "head": run.objective.head,
         "world_size": env.world_size,
@@ -496,18 +498,20 @@ def write_records(run: Run, graph_info: dict, environment: dict | None, perf_pat
         "attention": sorted(USED_BACKENDS),
         "cuda_graphs": graph_facts,
         "fused_kernels": dict(getattr(run.hf, "prefpipe_fused_kernels", {})),
-        **({"reward_scoring": run.objective.scoring_info(run.hf)} if run.objective.head == "score" else {}),
+        # Every field, null where it does not apply: the reward model's scoring position, the memory plan (GPU), the
+        # adapter (LoRA), the uncapped step count (train.max_steps), the dev split (probe.dev_size > 0).
+        "reward_scoring": run.objective.scoring_info(run.hf) if run.objective.head == "score" else None,
         "settings": settings.record(),
-        **({"memory_plan": run.memory_plan} if run.memory_plan is not None else {}),
-        **({"adapter": run.adapter.info()} if run.adapter is not None else {}),
+        "memory_plan": run.memory_plan,
+        "adapter": run.adapter.info() if run.adapter is not None else None,
         "model_parameters": run.n_params,
         "train_pairs": len(run.train_pairs),
         "probe_pairs": len(run.probe_pairs),
         "optimizer_steps": len(run.plans),
         # train.max_steps: the steps train.epochs alone would have made (the record of what the cap cut)
-        **({"steps_uncapped": uncapped_steps(run)} if settings.max_steps is not None else {}),
+        "steps_uncapped": uncapped_steps(run) if settings.max_steps is not None else None,
         # probe.dev_size > 0: the dev split's scorings (dev_log.csv) and, with train.select_best, the exported step
-        **({"dev": run.dev.record()} if run.dev is not None else {}),
+        "dev": run.dev.record() if run.dev is not None else None,
         "per_rank": plan_summary(run.plans, run.train_pairs, env.world_size),
         "total_tokens": state.tokens,
         # The record the numbers were made under (stages/lib/environment.py): versions, CPU dispatch, GPU.

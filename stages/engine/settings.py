@@ -10,6 +10,8 @@ from dataclasses import asdict, dataclass, fields
 
 import jsonschema
 
+from stages.lib.params import resolved_optimizer
+
 
 class TrainConfigError(ValueError):
     """A training knob is refused before anything is built."""
@@ -64,10 +66,7 @@ class TrainSettings:
         if self.select_best and self.parallel == "fsdp2":
             raise TrainConfigError("train.select_best keeps the best step's full weights on rank 0: not under "
                                    "parallel fsdp2 (use ddp)")
-        if self.optimizer is not None:
-            opt = {"state": "exact", "fused_backward": False, **self.optimizer}
-            # The default spelled out is the default: the same record and checkpoint fingerprint as no key at all.
-            object.__setattr__(self, "optimizer", None if opt == {"state": "exact", "fused_backward": False} else opt)
+        object.__setattr__(self, "optimizer", resolved_optimizer(self.optimizer))
 
     @property
     def optimizer_state(self) -> str:
@@ -89,16 +88,8 @@ class TrainSettings:
         return min(int(ac), n_layers)
 
     def record(self) -> dict:
-        """The settings as a JSON-able dict (run_info, checkpoint header); `adapter` only when set, so a full
-        fine-tune's record is what it was before adapters existed."""
-        out = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
-        for optional in ("adapter", "optimizer", "max_steps"):   # absent when unset: the default record stays as it was
-            if out[optional] is None:
-                del out[optional]
-        for optional, default in (("eval_every", 0), ("select_best", False)):   # likewise at their defaults
-            if out[optional] in (default, None):
-                del out[optional]
-        return out
+        """The settings as a JSON-able dict (run_info, checkpoint header): every field, null where unset."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
 
     @classmethod
     def for_inference(cls, params: dict) -> "TrainSettings":
@@ -121,10 +112,6 @@ class TrainSettings:
             where = ".".join(str(p) for p in e.absolute_path)
             raise TrainConfigError(f"train{'.' + where if where else ''}: {e.message}") from None
         from stages.lib.params import resolved_train
-        train = resolved_train(params["train"])   # adapter: absent = None; a LoRA block's omitted keys filled
+        train = resolved_train(params["train"])   # every optional key filled (adapter, optimizer, max_steps, ...)
         train["adam_betas"] = tuple(float(b) for b in train["adam_betas"])
-        train.setdefault("optimizer", None)    # optional key: absent = exact AdamW, stepped after backward
-        train.setdefault("max_steps", None)    # optional key: absent = every step train.epochs make
-        train.setdefault("eval_every", 0)      # optional keys: absent = no dev scoring between step 0 and the end,
-        train.setdefault("select_best", False)  # and the last step's weights exported
         return cls(**{f.name: train[f.name] for f in fields(cls)})

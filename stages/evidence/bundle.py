@@ -37,6 +37,7 @@ import zlib
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from stages.lib.implicit_reward import SUMMED_REWARD
 from stages.lib.io import MD5, SHA256, hash_bytes, hash_file
 from stages.lib.training_plan import plan_warnings
 
@@ -47,7 +48,7 @@ MEMBER_PREFIX = f"{BUNDLE_ROOT}/"
 # paths were rewritten), probe_sources.json, summary.md's "What ran"; the generation evaluation (generate's and
 # judge's artifacts, the judgments packed, summary.md's generation section). `verify` refuses a format it cannot
 # fully check.
-FORMAT = "prefpipe-evidence/3"
+FORMAT = "prefpipe-evidence/4"   # 4: the packed records carry their `format` (stages/lib/record_formats.py)
 FIXED_MTIME = 0
 CURVE_COLUMNS = ["loss", "accuracy", "margin", "lr", "grad_norm"]
 # Keys copied from a trainer's run_info.json (top level). A whitelist, because run_info also holds per-rank
@@ -323,8 +324,9 @@ def render_summary(metrics: dict[str, dict], bootstrap: dict | None, curves: lis
             f"{_f(s0['mean_margin'])} -> {_f(fi['mean_margin'])} |")
     lines += ["", "Accuracy counts a tie as 0.5; for DPO it is the implicit reward accuracy. "
               "Training helped when the improvement's lower bound is above 0.", ""]
-    rewards = [f"{label}: {m['implicit_reward']}" for label, m in sorted(metrics.items()) if "implicit_reward" in m]
-    if rewards:     # absent: DPO's summed-log-prob reward (docs/DPO_LOSSES.md "probe reward")
+    rewards = [f"{label}: {m['implicit_reward']}" for label, m in sorted(metrics.items())
+               if m.get("implicit_reward") not in (None, SUMMED_REWARD)]
+    if rewards:     # none: DPO's summed-log-prob reward (docs/DPO_LOSSES.md "probe reward")
         lines += [f"Implicit reward scored, as dpo.loss declares it: {', '.join(rewards)} (beta * the per-token "
                   "mean log-prob ratio).", ""]
     warnings = [f"- {label}: {w}" for label, cols in sorted((train_logs or {}).items())

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from stages.lib import record_formats
 from stages.lib.contracts import TOKENS_SCHEMA, pair_id_of, token_hash
 from stages.lib.io import sha256_json
 from stages.evidence.scoring import bootstrap_indices, percentile_interval
@@ -246,9 +247,12 @@ def rounds_record(rounds: list[dict], evaluate: dict) -> dict:
             "win_rate_vs_reference": {"point": gen["win_rate"], "ci_low": gen["win_rate_ci_low"],
                                       "ci_high": gen["win_rate_ci_high"]},
             "graded_success": _bounded(success[k][idx].mean(axis=-1), float(success[k].mean()), conf),
-            "kl_to_reference": {"kind": "kl" if "kl" in gen else "log_ratio",
+            "kl_to_reference": {"kind": "kl" if gen.get("kl") is not None else "log_ratio",
                                 "per_completion": kl.get("per_completion"), "per_token": kl.get("per_token")},
             "pairs": r.get("pairs"),
+            # round 1 has no earlier round to compare with: null
+            **dict.fromkeys(("win_rate_vs_previous", "win_rate_vs_round1", "graded_success_diff_vs_previous",
+                             "graded_success_diff_vs_round1")),
         }
         if k > 0:
             prev = rounds[k - 1]
@@ -261,7 +265,7 @@ def rounds_record(rounds: list[dict], evaluate: dict) -> dict:
                 entry[name] = _bounded(d[idx].mean(axis=-1), float(d.mean()), conf)
         out.append(entry)
     last = out[-1]
-    return {"rounds": out, "n_probe_prompts": n, "confidence": conf,
+    return {"format": record_formats.ROUNDS_METRICS, "rounds": out, "n_probe_prompts": n, "confidence": conf,
             "improved_over_round1": bool(len(out) > 1 and last["graded_success_diff_vs_round1"]["ci_low"] > 0)}
 
 

@@ -14,6 +14,7 @@ import numpy as np
 
 from stages.lib.contracts import correct_label, probe_digest
 from stages.lib.graders import grade, grader_spec
+from stages.lib import record_formats
 from stages.lib.implicit_reward import IMPLICIT_REWARDS, MEAN_REWARD, SUMMED_REWARD, implicit_reward
 from stages.lib.io import sha256_bytes
 
@@ -311,7 +312,7 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
                    swapped_hashes: dict | None = None,
                    completion_tokens: dict[str, tuple[int, int]] | None = None) -> tuple[dict, dict]:
     """One model's metrics and bootstrap summary. DPO: completion_tokens as score_dpo_rows; step 0 and final must
-    score the same implicit reward, which the metrics record when it is not SUMMED_REWARD."""
+    score the same implicit reward, which the metrics record (null for the reward model)."""
     size = params["probe"]["size"]
     for rows, src in ((step0_rows, step0_source), (final_rows, final_source)):
         check_probe_rows(rows, probe_manifest, token_manifest, size, src, swapped_hashes)
@@ -324,9 +325,7 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
         if s0["implicit_reward"] != fi["implicit_reward"]:
             raise PerPairFileError(f"{final_source}: scores the {fi['implicit_reward']} implicit reward, "
                                    f"{step0_source} the {s0['implicit_reward']}: step 0 and final must compare one")
-        # Recorded only where it is not DPO's summed reward, so the metrics of the runs before the field existed
-        # (and of every summed-reward loss) keep their bytes.
-        reward = s0["implicit_reward"] if s0["implicit_reward"] != SUMMED_REWARD else None
+        reward = s0["implicit_reward"]
     else:
         s0 = score_rm_rows(step0_rows, step0_source)
         fi = score_rm_rows(final_rows, final_source)
@@ -335,7 +334,8 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
     p0, pf = point_metrics(s0), point_metrics(fi)
     acc = boot["accuracy"]
     metrics = {
-        **({"implicit_reward": reward} if reward else {}),
+        "format": record_formats.PROBE_METRICS,
+        "implicit_reward": reward,         # DPO: the implicit reward the probe rows score; the reward model: null
         "n_pairs": len(final_rows),
         "confidence": ev["confidence"],
         "step0": p0,
@@ -345,7 +345,7 @@ def evaluate_model(kind: str, step0_rows: list[dict], final_rows: list[dict], pr
                         "accuracy_ci_high": acc["improvement"]["ci_high"],
                         "mean_margin": boot["mean_margin"]["improvement"]["point"]},
     }
-    summary = {"kind": kind, **({"implicit_reward": reward} if reward else {}), "step0": p0, "final": pf,
+    summary = {"kind": kind, "implicit_reward": reward, "step0": p0, "final": pf,
                "bootstrap": boot,
                "training_helped": acc["improvement"]["ci_low"] > 0}
     return metrics, summary
@@ -452,8 +452,9 @@ def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[di
     by_bucket = {}
     for k, (name, lo, hi) in enumerate(LENGTH_BUCKETS):
         sel = buckets == k
-        by_bucket[name] = {"pairs": int(sel.sum()), **({"win_rate": float(a["win"][sel].mean()),
-                                                        "reward_diff": float(diff[sel].mean())} if sel.any() else {})}
+        by_bucket[name] = {"pairs": int(sel.sum()),        # an empty bucket's means are null
+                           "win_rate": float(a["win"][sel].mean()) if sel.any() else None,
+                           "reward_diff": float(diff[sel].mean()) if sel.any() else None}
     log_ratio_tokens = float(a["policy_log_ratio"].sum() / a["policy_generated_tokens"].sum())
 
     def bounded(name: str) -> dict:
@@ -461,6 +462,7 @@ def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[di
         return {name: b["point"], f"{name}_ci_low": b["ci_low"], f"{name}_ci_high": b["ci_high"]}
 
     metrics = {
+        "format": record_formats.GENERATION_METRICS,
         "n_prompts": n, "samples_per_prompt": len(rows) // n, "confidence": ev["confidence"],
         **bounded("win_rate"), "ties": int((a["win"] == 0.5).sum()),
         **bounded("reward_diff"),
@@ -476,16 +478,20 @@ def evaluate_generation(rows: list[dict], params: dict, source: str) -> tuple[di
     gen = params.get("generation")               # absent for a caller that passes evaluate's params only
     if gen is None:                              # (not `or {}`: truth-testing a stage's params view reads it whole)
         gen = {}
-    if gen.get("temperature") == 0:
-        # Greedy completions are no sample of the policy: their log-ratio is not a KL estimate (issue 33).
-        metrics["log_ratio"] = metrics.pop("kl")
+    # Greedy completions are no sample of the policy: their log-ratio is not a KL estimate (issue 33); `kl` is then
+    # null and `log_ratio` holds the numbers (else `log_ratio` is null).
+    greedy = gen.get("temperature") == 0
+    metrics["log_ratio"] = metrics["kl"] if greedy else None
+    if greedy:
+        metrics["kl"] = None
     spec = grader_spec(gen.get("grader"))
+    metrics["grader"] = None                     # generation.grader unset
     if spec is not None:
         graded, boot_graded = grader_metrics(rows, a, spec, idx, n, ev["confidence"], source)
         metrics["grader"] = graded
         boot.update(boot_graded)
     metrics["warnings"] = evidence_warnings(rows, metrics, gen)
-    summary = {"n_prompts": n, "samples_per_prompt": len(rows) // n,
+    summary = {"format": record_formats.JUDGE_SUMMARY, "n_prompts": n, "samples_per_prompt": len(rows) // n,
                "index_matrix": {"shape": [ev["bootstrap_replicates"], n], "dtype": "int64 little-endian, C order",
                                 "sha256": index_matrix_digest(idx)},
                "bootstrap": boot, "length_buckets": {name: [lo, hi if math.isfinite(hi) else None]

@@ -319,11 +319,9 @@ def _check_artifacts(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
 
 def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
     training = b.environment().get("training") or {}
-    # A run's settings are its TrainSettings record: params.yaml's `train` with a LoRA block's defaults filled, and
-    # no `adapter` key for a full fine-tune.
-    # train.eval_every 0 / select_best false are recorded as absent (TrainSettings.record), as no adapter is.
-    train = {k: val for k, val in resolved_train(b.params["train"]).items()
-             if not (k == "adapter" and val is None) and not (k in ("eval_every", "select_best") and not val)}
+    # A run's settings are its TrainSettings record: params.yaml's `train` with every optional key filled
+    # (resolved_train).
+    train = resolved_train(b.params["train"])
     for label in TRAINED:
         run = training.get(label)
         if not isinstance(run, dict) or "settings" not in run:

@@ -25,6 +25,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from stages.lib import record_formats
 from stages.lib.io import canonical_json, sha256_json
 
 # ==================================================================================== pairs
@@ -113,6 +114,7 @@ PROBE_MANIFEST_SCHEMA = {
     "type": "object",
     "required": ["size", "seed", "pair_ids", "content_hashes", "probe_digest"],
     "properties": {
+        "format": {"const": record_formats.PROBE_MANIFEST},
         "size": {"type": "integer", "minimum": 0},
         "seed": {"type": "integer"},
         "selection": {"type": "string"},
@@ -125,7 +127,7 @@ PROBE_MANIFEST_SCHEMA = {
             "properties": {"pair_id": {"type": "string"}, "reason": {"type": "string"}}}},
         # The tokenizer and limits the probe was drawn to fit (tokenize holds its own to them), and the pairs the
         # walk passed over for not fitting.
-        "fit": {"type": "object", "required": ["tokenizer_identity", "limits", "skipped", "skipped_by_reason"],
+        "fit": {"type": ["object", "null"], "required": ["tokenizer_identity", "limits", "skipped", "skipped_by_reason"],
                 "properties": {"tokenizer_identity": {"type": "string"}, "limits": {"type": "object"},
                                "skipped": {"type": "integer", "minimum": 0},
                                "skipped_by_reason": {"type": "object"}}},
@@ -248,7 +250,8 @@ PROBE_TOKEN_MANIFEST_SCHEMA = {
         "token_hashes": _HEX_LIST,
         "token_digest": {"type": "string"},
         "probe_digest": {"type": "string"},
-        "limits": {"type": "object"},
+        "format": {"const": record_formats.PROBE_TOKEN_MANIFEST},
+        "limits": {"type": ["object", "null"]},
         # Per entry (index, pair_id, reason, token_hash) evaluate.check_truncation_record says what is wrong.
         "truncated": {"type": "array"},
     },

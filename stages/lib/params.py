@@ -245,16 +245,31 @@ def load_defaults() -> dict[str, Any]:
         return json.load(f)
 
 
+# train.optimizer's default: exact AdamW state, stepped after backward (engine/settings.py TrainSettings.optimizer).
+DEFAULT_OPTIMIZER = {"state": "exact", "fused_backward": False}
+# The optional `train` keys and what their absence means: no adapter (full fine-tuning), the default optimizer, every
+# step train.epochs make, no dev scoring between step 0 and the end, the last step's weights exported.
+TRAIN_OPTIONAL = {"adapter": None, "optimizer": None, "max_steps": None, "eval_every": 0, "select_best": False}
+
+
+def resolved_optimizer(optimizer: dict | None) -> dict | None:
+    """train.optimizer normalized: None for the default (absent or spelled out), else both keys."""
+    if optimizer is None:
+        return None
+    opt = {**DEFAULT_OPTIMIZER, **optimizer}
+    return None if opt == DEFAULT_OPTIMIZER else opt
+
+
 def resolved_train(train: dict) -> dict:
     """params.yaml's `train` as a run uses it (engine/settings.py TrainSettings; what run_info records and report
-    verify compares): `adapter` absent = null (full fine-tuning); a LoRA block's omitted keys take the schema's
-    defaults (workflow/schemas/params.schema.yaml train.adapter, the one place they are written; read from their
-    generated copy, DEFAULTS_PATH, the rules' input)."""
-    out = dict(train)
-    adapter = out.get("adapter")
-    if adapter is None:
-        out["adapter"] = None
-    else:
+    verify compares): every optional key present (TRAIN_OPTIONAL's value when absent), train.optimizer normalized
+    (resolved_optimizer), a LoRA block's omitted keys taking the schema's defaults (workflow/schemas/
+    params.schema.yaml train.adapter, the one place they are written; read from their generated copy,
+    DEFAULTS_PATH, the rules' input)."""
+    out = {**TRAIN_OPTIONAL, **train}
+    out["optimizer"] = resolved_optimizer(out["optimizer"])
+    adapter = out["adapter"]
+    if adapter is not None:
         lora = {key.removeprefix("train.adapter."): value for key, value in load_defaults().items()
                 if key.startswith("train.adapter.")}
         out["adapter"] = {**lora, **adapter}

@@ -44,7 +44,7 @@ def test_checkpoints_are_complete_self_describing_and_pruned(assets):
     step, path, meta = complete[0]
     assert (meta["objective"], meta["role"], meta["head"]) == ("reward_model", "reward_model", "score")
     assert meta["model_class"] == "Qwen2ForSequenceClassification" and meta["world_size"] == 1
-    assert meta["format_version"] == 2 and meta["step"] == 8 and meta["reference"]["kind"] == "model_dir"
+    assert meta["format"] == "prefpipe-checkpoint/3" and meta["step"] == 8 and meta["reference"]["kind"] == "model_dir"
     assert path.name == f"step_00000008-{meta['fingerprint'][:12]}"
     assert set(meta["files"]) == {"model.pt", "optimizer.pt", "trainer_state.json",
                                   "probe_step0.jsonl", "rng/rank00000.pt"}

@@ -41,7 +41,8 @@ def test_eval_every_writes_dev_log_rows_at_the_expected_steps_and_changes_no_tra
     log = pd.read_csv(a / "dev/dev_log.csv")
     assert list(log.columns) == ["step", "accuracy", "margin", "sigmoid_loss", "pairs"]
     assert log.step.tolist() == [0, 3, 6, 8] and (log.pairs == 24).all()
-    assert info["dev"] == {"pairs": 24, "eval_every": 3, "scored_steps": [0, 3, 6, 8]}
+    assert info["dev"] == {"pairs": 24, "eval_every": 3, "scored_steps": [0, 3, 6, 8], "selected_step": None,
+                           "selected_accuracy": None}             # no select_best: written, null
     assert info["settings"]["eval_every"] == 3
     assert log.accuracy.iloc[-1] < log.accuracy.iloc[0]          # the reversed dev preference: learning hurts it
     assert ((log.accuracy >= 0) & (log.accuracy <= 1) & (log.sigmoid_loss > 0)).all()
@@ -49,8 +50,9 @@ def test_eval_every_writes_dev_log_rows_at_the_expected_steps_and_changes_no_tra
     train_rm.main(ckpt_args(a, "plain", write_train_params(a / "plain.yaml")))
     for f in ("model/model.safetensors", "train_log.csv", "probe_step0.jsonl", "probe_final.jsonl"):
         assert (a / "dev" / f).read_bytes() == (a / "plain" / f).read_bytes(), f
-    assert not (a / "plain/dev_log.csv").exists() and "dev" not in read_json(a / "plain/run_info.json")
-    assert "eval_every" not in read_json(a / "plain/run_info.json")["settings"]
+    plain = read_json(a / "plain/run_info.json")
+    assert not (a / "plain/dev_log.csv").exists() and plain["dev"] is None        # written, null: no dev split
+    assert plain["settings"]["eval_every"] == 0 and plain["settings"]["select_best"] is False
 
 
 def test_select_best_exports_the_best_dev_steps_checkpoint_and_scores_the_probe_on_it(with_dev):

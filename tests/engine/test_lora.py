@@ -351,7 +351,7 @@ def test_adapter_settings_schema_and_cuda_graph_fallback():
     # Omitted keys take the schema's documented defaults (before: "is not valid under any of the given schemas").
     assert train_settings(adapter={"type": "lora", "r": 4}).adapter == {
         "type": "lora", "r": 4, "alpha": 32, "dropout": 0.0, "target_modules": "all-linear", "export": "merged"}
-    assert "adapter" not in train_settings().record()        # a full fine-tune's record is unchanged
+    assert train_settings().record()["adapter"] is None       # a full fine-tune's record says so: null
     gpu = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cuda"), backend="nccl")
     assert cuda_graphs_unavailable(train_settings(adapter=lora()), gpu) is None
     assert "dropout" in cuda_graphs_unavailable(train_settings(adapter=lora(dropout=0.05)), gpu)

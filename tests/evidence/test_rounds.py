@@ -125,7 +125,7 @@ def test_rounds_record_differences_are_paired_over_probe_prompts():
     # every round-2 reward is higher: it wins every head-to-head against round 1
     assert r2["win_rate_vs_previous"] == {"point": 1.0, "ci_low": 1.0, "ci_high": 1.0}
     assert r2["kl_to_reference"] == {"kind": "log_ratio", "per_completion": 1.5, "per_token": 0.2}
-    assert "win_rate_vs_previous" not in r1 and r2["pairs"] == PAIRS
+    assert r1["win_rate_vs_previous"] is None and r1["graded_success_diff_vs_round1"] is None and r2["pairs"] == PAIRS
     table = render_rounds_section(rec)
     assert table[0] == "## Iterative DPO rounds" and render_rounds_section(None) == []
     row2 = next(line for line in table if line.startswith("| 2 |"))

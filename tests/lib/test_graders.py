@@ -102,12 +102,12 @@ def test_graded_success_rates_agreement_and_warnings():
     assert g["labels"]["reference"]["rude"] == 0.5 and "rude" not in g["labels"]["policy"]
     assert "grader_success_diff" in summary["bootstrap"]
     # greedy: the log-ratio is reported, never as a KL
-    assert "kl" not in m and set(m["log_ratio"]) >= {"per_completion", "per_token"}
+    assert m["kl"] is None and set(m["log_ratio"]) >= {"per_completion", "per_token"}
     assert m["warnings"] == ["judge_trained_on_same_pairs"]            # agreement 0.75 is not below 0.75
 
     wins2 = [1.0] * 14 + [-1.0] * 6 + [0.0] * 20                      # 0.70 agreement: below three quarters
     m2, _ = evaluate_generation(rows(pol, ref, wins2), params(temperature=1.0, judge={"source": "local"}), "j")
-    assert m2["warnings"] == ["judge_disagrees_with_grader"] and "kl" in m2
+    assert m2["warnings"] == ["judge_disagrees_with_grader"] and m2["kl"] is not None and m2["log_ratio"] is None
 
 
 def test_length_and_max_new_tokens_warnings():
@@ -115,7 +115,7 @@ def test_length_and_max_new_tokens_warnings():
     for x in r:
         x["reference_length"] = 16
     m, _ = evaluate_generation(r, params(grader=None), "j")
-    assert "grader" not in m
+    assert m["grader"] is None                                         # written, null: no grader
     assert m["warnings"] == ["judge_trained_on_same_pairs", "all_hit_max_new_tokens", "length_mismatch"]
 
 

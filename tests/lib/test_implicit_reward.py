@@ -19,7 +19,7 @@ import yaml
 from engine_helpers import make_tiny_model_dir, token_row, write_token_parquet
 from stages.evidence import scoring
 from stages.lib.contracts import correct_label
-from stages.lib.implicit_reward import MEAN_REWARD, implicit_reward
+from stages.lib.implicit_reward import MEAN_REWARD, SUMMED_REWARD, implicit_reward
 from stages.lib.io import read_jsonl
 from synthetic_probe import dpo_rows, make_probe
 
@@ -60,9 +60,9 @@ def test_mean_reward_rows_are_scored_on_their_reward_and_recorded():
     assert metrics["implicit_reward"] == MEAN_REWARD == summary["implicit_reward"]
     want = np.mean([r["correct"] for r in fi])
     assert metrics["final"]["accuracy"] == want
-    # the summed rows of the same run: no field in the metrics (a summed loss's metrics keep their bytes)
+    # the summed rows of the same run: the metrics name the summed reward (every field written, whatever the loss)
     plain = [dpo_rows(tm, 2.0, 3, 0.6, step0, True) for step0 in (True, False)]
-    assert "implicit_reward" not in scoring.evaluate_model("dpo", *plain, pm, tm, params, "s0", "final")[0]
+    assert scoring.evaluate_model("dpo", *plain, pm, tm, params, "s0", "final")[0]["implicit_reward"] == SUMMED_REWARD
 
     def refused(step0, final, match, **kw):
         with pytest.raises(scoring.PerPairFileError, match=match):

@@ -218,7 +218,7 @@ def test_a_probe_frozen_under_another_template_is_refused_by_tokenize(tmp_path):
 
     freeze("tokenizer", tmp_path / "default")
     freeze(None, tmp_path / "absent")
-    assert "chat_template" not in read_json(tmp_path / "default/probe_manifest.json")["fit"]
+    assert read_json(tmp_path / "default/probe_manifest.json")["fit"]["chat_template"]["setting"] == "tokenizer"
     assert (tmp_path / "default/probe_manifest.json").read_bytes() == \
         (tmp_path / "absent/probe_manifest.json").read_bytes()
     freeze("plain", tmp_path / "plain")
@@ -228,6 +228,6 @@ def test_a_probe_frozen_under_another_template_is_refused_by_tokenize(tmp_path):
     r = tokenize("tokenizer", tmp_path / "plain", tmp_path / "tok_mismatch")
     assert r.returncode == 1
     assert ("the probe was frozen to fit the rendering {\"setting\":\"plain\",\"sha256\":null,\"used\":\"plain\"}, "
-            "but tokenize renders with \"tokenizer\"; rerun freeze_probe with these settings") in r.stderr, r.stderr
+            "but tokenize renders with {\"setting\":\"tokenizer\",") in r.stderr, r.stderr
     assert tokenize("plain", tmp_path / "plain", tmp_path / "tok_plain").returncode == 0
     assert tokenize("tokenizer", tmp_path / "default", tmp_path / "tok_default").returncode == 0

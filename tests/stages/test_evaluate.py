@@ -214,7 +214,11 @@ def test_cli_deterministic_seeded_and_small_metrics(tmp_path):
     for key in ("metrics_dpo", "metrics_rm"):
         m = json.loads(a[key].read_text())
         assert a[key].stat().st_size < 2048
-        assert all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in _leaves(m))
+        # numbers, but the record's format and the implicit reward's name (null for the reward model)
+        assert m["format"] == "prefpipe-probe-metrics/1"
+        assert m["implicit_reward"] == ("summed_logp" if key == "metrics_dpo" else None)
+        assert all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                   for v in _leaves({k: v for k, v in m.items() if k not in ("format", "implicit_reward")}))
         assert m["n_pairs"] == N and m["final"]["accuracy_ci_low"] <= m["final"]["accuracy"] <= m["final"]["accuracy_ci_high"]
     dpo = json.loads(a["metrics_dpo"].read_text())
     assert dpo["step0"]["ties"] == N and dpo["improvement"]["accuracy_ci_low"] > 0

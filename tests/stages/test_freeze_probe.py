@@ -170,8 +170,9 @@ def test_cli_end_to_end(tmp_path):
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
 
     m = read_json(tmp_path / "a" / "probe_manifest.json")
-    assert set(m) == {"size", "seed", "selection", "pair_ids", "content_hashes", "probe_digest",
-                      "train_pairs", "excluded_from_train", "fit"}
+    assert set(m) == {"format", "size", "seed", "selection", "pair_ids", "content_hashes", "probe_digest",
+                      "train_pairs", "excluded_from_train", "fit", "dev"}
+    assert m["format"] == "prefpipe-probe-manifest/1" and m["dev"] is None
     # The limits (not the workers, nor tokenize.chat_template: the rendering is not a limit, and recording it would
     # change the default's manifest bytes)
     assert m["fit"]["limits"] == {k: v for k, v in yaml.safe_load(params.read_text())["tokenize"].items()
@@ -330,7 +331,7 @@ def test_when_every_pair_fits_the_probe_is_the_same_pairs(embedded_pairs):
     aware, unaware = (freeze_probe(embedded_pairs, size=size, seed=seed, fit=f) for f in (fit, None))
     assert aware.manifest["fit"]["skipped"] == 0
     assert {k: v for k, v in aware.manifest.items() if k not in ("fit", "selection")} == {
-        k: v for k, v in unaware.manifest.items() if k != "selection"}
+        k: v for k, v in unaware.manifest.items() if k not in ("fit", "selection")} and unaware.manifest["fit"] is None
     assert aware.probe.equals(unaware.probe) and aware.train.equals(unaware.train)
 
 
