@@ -244,7 +244,9 @@ def assert_probe_rows(path: Path, probe: Path, keys: set[str]) -> list[dict]:
 
 
 DPO_KEYS = {"pair_id", "index", "token_hash", "policy_chosen_logp", "policy_rejected_logp", "ref_chosen_logp",
-            "ref_rejected_logp", "chosen_reward", "rejected_reward", "margin", "correct"}
+            "ref_rejected_logp", "chosen_reward", "rejected_reward", "margin", "correct",
+            # every row says which implicit reward it scores and over how many tokens (versioned records)
+            "implicit_reward", "chosen_tokens", "rejected_tokens"}
 RM_KEYS = {"pair_id", "index", "token_hash", "chosen_score", "rejected_score", "margin", "correct"}
 
 
