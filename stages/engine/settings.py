@@ -56,6 +56,7 @@ class TrainSettings:
     optimizer: dict | None = None
     eval_every: int = 0                # score the dev split every N steps too (0: at step 0 and the end only)
     select_best: bool = False          # export the best dev-accuracy step's weights instead of the last
+    tensorboard: bool = False          # also log to TensorBoard (untracked; stages/engine/live_log.py)
 
     def __post_init__(self):
         if self.temperature != 1.0:
@@ -98,6 +99,7 @@ class TrainSettings:
         for optional, default in (("eval_every", 0), ("select_best", False)):   # likewise at their defaults
             if out[optional] in (default, None):
                 del out[optional]
+        del out["tensorboard"]      # where curves are also shown decides no byte of the run: never in its record
         return out
 
     @classmethod
@@ -127,4 +129,5 @@ class TrainSettings:
         train.setdefault("max_steps", None)    # optional key: absent = every step train.epochs make
         train.setdefault("eval_every", 0)      # optional keys: absent = no dev scoring between step 0 and the end,
         train.setdefault("select_best", False)  # and the last step's weights exported
+        train.setdefault("tensorboard", False)  # optional key: absent = DVCLive only
         return cls(**{f.name: train[f.name] for f in fields(cls)})
