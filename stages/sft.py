@@ -17,7 +17,7 @@ Training: the engine of train_dpo and train_rm (stages/engine/loop.py; objective
 packing, LoRA or full, DDP/FSDP2, checkpoints and exact resume, optimizer modes, under `train` with `sft.train`'s
 keys over it (e.g. more epochs, another lr).
 Outputs: OUT_DIR/{model/, ref_identity.json, sft_data.json, train_log.csv, run_info.json, probe_step0.jsonl,
-probe_final.jsonl}. model/ is pinned as a local snapshot (its prefpipe.lock.json lists every file's SHA-256 and the
+probe_final.jsonl}, and with --live-dir DIR DVCLive's step metrics there (OUT_DIR/dvclive). model/ is pinned as a local snapshot (its prefpipe.lock.json lists every file's SHA-256 and the
 `provenance`: the base reference's identity_digest, the SFT data's digest and the settings' digest); ref_identity.json
 is its identity in verify_ref's format, which ref_logps, train_dpo, train_rm, generate and judge load it through
 (stages/lib/reference.py load_verified_dir re-checks every file before each load).
@@ -34,7 +34,8 @@ from stages.data.sft_sources import (Refusals, SFTDataError, examples_digest, pr
 from stages.data.sources import SourceError
 from stages.data.tokenizer import load_tokenizer
 from stages.engine import startup
-from stages.engine.cli import (checkpoint_options, engine_stage_main, model_vocab_size, stage_environment)
+from stages.engine.cli import (add_logger_args, checkpoint_options, engine_stage_main, logger_dirs, model_vocab_size,
+                               stage_environment)
 from stages.engine.dist import init_distributed, shutdown_distributed
 from stages.engine.export import ExportError
 from stages.engine.loop import train
@@ -133,6 +134,7 @@ def _arguments(parser) -> None:
     parser.add_argument("--resume", default="auto", metavar="auto|never|PATH")
     parser.add_argument("--perf", help="JSON file for timings (rank 0), kept out of the hashed record")
     parser.add_argument("--environment", help="environment.json: refuse to run in another environment")
+    add_logger_args(parser)
 
 
 def _run(args) -> dict:
@@ -163,7 +165,7 @@ def _run(args) -> dict:
         result = train(SFTObjective(), settings, env, model_dir=model_dir, train_pairs=train_pairs,
                        probe_pairs=probe_pairs, out_dir=out_dir, checkpoint=checkpoint_options(args, env),
                        environment=environment, perf_path=args.perf,
-                       export_files=export_template_files(model_dir, params.get("tokenize")))
+                       export_files=export_template_files(model_dir, params.get("tokenize")), **logger_dirs(args))
         if env.is_main:
             base = (read_identity(args.identity) if args.identity else None)
             provenance = {"stage": "sft",

@@ -11,7 +11,8 @@ The policy starts from the verified reference directory; the reference model its
 --init-model DIR (an iterative DPO round k >= 2, issue 36): the policy starts from DIR instead (the previous round's
 export), trained with `rounds.train`'s keys over `train`'s; the checkpoints' run identity names DIR's digest beside
 the reference's, so a resume never takes another round's state.
-Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_final.jsonl}, and with --dev-tokens
+Writes OUT_DIR/{model/, train_log.csv, run_info.json, probe_step0.jsonl, probe_final.jsonl}, with --live-dir DIR
+DVCLive's step metrics there (the rule's OUT_DIR/dvclive: stages/engine/live_log.py), and with --dev-tokens
 (probe.dev_size > 0) OUT_DIR/dev_log.csv: the dev split scored at step 0, every train.eval_every steps and at the end
 (train.select_best: the best of those steps is exported). A round k >= 2 scores no dev split.
 """
@@ -30,9 +31,9 @@ from stages.engine.dpo_objective import DPOObjective
 from stages.lib.ref_logps_table import RefLogpsError, read_ref_logps, ref_logps_for
 from stages.lib.cli import exit_after_success
 from stages.lib.declared_params import load_stage_params
-from stages.engine.cli import (add_checkpoint_args, add_common_args, add_dev_args, checkpoint_options,
-                               dev_settings, engine_stage_main, load_dev_tokens, load_stage_tokens, resolve_model_dir,
-                               stage_environment)
+from stages.engine.cli import (add_checkpoint_args, add_common_args, add_dev_args, add_logger_args,
+                               checkpoint_options, dev_settings, engine_stage_main, load_dev_tokens, load_stage_tokens,
+                               logger_dirs, resolve_model_dir, stage_environment)
 from stages.engine.dist import init_distributed, shutdown_distributed
 from stages.engine.export import ExportError
 from stages.engine.loop import train
@@ -47,6 +48,7 @@ def _arguments(parser) -> None:
     parser.add_argument("--ref-logps", help="ref_logps.parquet (required for dpo.objective: dpo)")
     parser.add_argument("--out-dir", required=True)
     add_checkpoint_args(parser)
+    add_logger_args(parser)
     parser.add_argument("--init-model", help="start the policy from this export (an iterative round's previous "
                         "policy) instead of the reference; `rounds.train` applies")
 
@@ -104,7 +106,8 @@ def _run(args) -> dict:
                                                         "init_model": directory_digest(start_dir)})
         return train(DPOObjective(dpo, ref), settings, env, model_dir=start_dir, train_pairs=train_pairs,
                      probe_pairs=probe_pairs, dev_pairs=dev_pairs, out_dir=args.out_dir, checkpoint=checkpoint,
-                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir, params.get("tokenize")))
+                     environment=environment, perf_path=args.perf, export_files=export_template_files(model_dir, params.get("tokenize")),
+                     **logger_dirs(args))
     finally:
         shutdown_distributed()
 

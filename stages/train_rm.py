@@ -8,7 +8,7 @@
 
 The body starts from the verified reference directory, the scalar `score` head from the seeded RNG.
 Writes OUT_DIR/{model/ (AutoModelForSequenceClassification, num_labels=1), train_log.csv, run_info.json,
-probe_step0.jsonl, probe_final.jsonl}, and with --dev-tokens (probe.dev_size > 0) dev_log.csv (train_dpo's doc). The reward is read, in training, probes and the export alike, at each
+probe_step0.jsonl, probe_final.jsonl}, with --live-dir DIR DVCLive's step metrics there, and with --dev-tokens (probe.dev_size > 0) dev_log.csv (train_dpo's doc). The reward is read, in training, probes and the export alike, at each
 sequence's last token whose id != pad_token_id: the token HF's sequence-classification pooling reads
 (docs/ARTIFACTS.md, "Reward scoring position").
 """
@@ -19,9 +19,9 @@ from stages.data.pair_tokenizer import export_template_files
 from stages.engine.reward_objective import RewardObjective
 from stages.lib.cli import exit_after_success
 from stages.lib.declared_params import load_stage_params
-from stages.engine.cli import (add_checkpoint_args, add_common_args, add_dev_args, checkpoint_options,
-                               dev_settings, engine_stage_main, load_dev_tokens, load_stage_tokens, resolve_model_dir,
-                               stage_environment)
+from stages.engine.cli import (add_checkpoint_args, add_common_args, add_dev_args, add_logger_args, checkpoint_options,
+                               dev_settings, engine_stage_main, load_dev_tokens, load_stage_tokens, logger_dirs,
+                               resolve_model_dir, stage_environment)
 from stages.engine.dist import init_distributed, shutdown_distributed
 from stages.engine.export import ExportError
 from stages.engine.loop import train
@@ -35,6 +35,7 @@ def _arguments(parser) -> None:
     add_dev_args(parser)
     parser.add_argument("--out-dir", required=True)
     add_checkpoint_args(parser)
+    add_logger_args(parser)
 
 
 def _run(args) -> dict:
@@ -56,7 +57,7 @@ def _run(args) -> dict:
                      probe_pairs=probe_pairs, dev_pairs=dev_pairs, out_dir=args.out_dir,
                      checkpoint=checkpoint_options(args, env),
                      environment=environment, perf_path=args.perf,
-                     export_files=export_template_files(model_dir, params.get("tokenize")))
+                     export_files=export_template_files(model_dir, params.get("tokenize")), **logger_dirs(args))
     finally:
         shutdown_distributed()
 

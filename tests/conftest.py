@@ -97,6 +97,7 @@ MEASURED_COST_S = {
     "tests/stages/test_report.py": 250,
     "tests/workflow/test_dvc_compare.py": 230,
     "tests/workflow/test_targeted_run.py": 190,
+    "tests/workflow/test_dvclive_exp.py": 170,
     "tests/engine/test_optimizer_modes.py": 160,
     "tests/workflow/test_pipeline_e2e.py": 145,
     "tests/bench/test_bench.py": 130,

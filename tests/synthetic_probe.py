@@ -107,6 +107,12 @@ def write_train_dir(out: Path, seed: int, record: dict, objective: str, settings
         for s in range(1, steps + 1):
             w.writerow([s, round(0.69 * np.exp(-s / 8) + rng.uniform(0, 0.02), 6), round(min(1, 0.5 + s / 30), 6),
                         round(s / 10, 6), 1e-3, round(float(rng.uniform(0.5, 2)), 6)])
+    # DVCLive's folder as the loop writes it (stages/engine/live_log.py): the summary and one history per metric.
+    live = out / "dvclive"
+    (live / "plots" / "metrics").mkdir(parents=True, exist_ok=True)
+    (live / "metrics.json").write_text(json.dumps({"loss": 0.5, "step": steps}, indent=4, sort_keys=True) + "\n")
+    (live / "plots" / "metrics" / "loss.tsv").write_text("step\tloss\n" + "".join(f"{s}\t0.5\n"
+                                                                                 for s in range(1, steps + 1)))
     # run_info as the trainer writes it (a hashed output: deterministic, no host, path or timing), plus the per-rank
     # plan that environment.json's whitelist leaves out.
     write_json(out / "run_info.json", {

@@ -11,7 +11,10 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
   an ordinary cached out with one top-level `plots:` definition (x: step, y: loss/accuracy/margin), so each plot is
   defined once and `dvc plots diff REV` reads every revision's curve from DVC's cache (results/ is git-ignored:
   an uncached curve existed in no revision but the workspace); an output named `persist_*` is kept across reruns
-  (`persist: true`);
+  (`persist: true`); one named `live*` is a DVCLive folder (stages/engine/live_log.py): a cached out whose
+  metrics.json is a top-level `metrics:` entry (`dvc exp show` reads it from the workspace while `dvc exp run` trains,
+  and from DVC's cache for a finished experiment or commit) and whose plots/metrics folder a top-level plot (x: step,
+  one curve a file);
 * `benchmark:` files and `*.perf.json` logs are not DVC outs (timings change on every run and prove
   nothing); a rule param named `env_*` is a Snakemake-only rerun trigger (the installed packages,
   which DVC cannot hash: DVC sees the lock file, a dep of the environment stage);
@@ -50,6 +53,8 @@ HEADER = (
 
 # The train-log columns each curve plots: a preference objective's (train_dpo, train_rm), sft's.
 PLOT_FIELDS = {"pairs": ["loss", "accuracy", "margin"], "sft": ["loss", "completion_logp"]}
+# A DVCLive folder's summary and its per-metric histories (stages/engine/live_log.py).
+LIVE_METRICS, LIVE_PLOTS = "metrics.json", "plots/metrics"
 # The dev curve (train.eval_every; probe.dev_size > 0): the columns of a training stage's dev_log.csv.
 DEV_PLOT = ("dev_log.csv", ["accuracy", "margin", "sigmoid_loss"])
 
@@ -122,7 +127,7 @@ def snakemake_jobs(root: Path = ROOT) -> tuple[list, dict]:
 
 
 def render_dvc_yaml(jobs: list, config: dict) -> str:
-    stages, curves = {}, []
+    stages, curves, live = {}, [], []
     for job in jobs:
         named = {path: name for name, path in job["outputs"]}
         outs, metrics, plots = [], [], []
@@ -135,6 +140,9 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
                 plots.append(path)
             elif name.startswith("persist"):
                 outs.append({path: {"persist": True}})
+            elif name.startswith("live"):
+                outs.append(path)           # cached (results/ is git-ignored); its files read by top-level entries
+                live.append(path)
             else:
                 outs.append(path)
         outs.extend({log: {"persist": True}} for log in job["logs"] if not log.endswith(PERF_SUFFIX))
@@ -157,6 +165,9 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
         # y: the columns the stage's train log has (sft's objective logs the completions' log-prob, not a pair's
         # accuracy and margin: naming those made every `dvc plots diff` warn that the fields are missing).
         doc["plots"] = [{p: plot_definition(p)} for p in curves]
+    if live:
+        doc["metrics"] = [f"{d}/{LIVE_METRICS}" for d in live]
+        doc.setdefault("plots", []).extend({f"{d}/{LIVE_PLOTS}": {"x": "step"}} for d in live)
     body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)
     return HEADER + body
 

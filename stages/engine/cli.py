@@ -57,6 +57,22 @@ def load_dev_tokens(model_dir: Path, dev_path) -> TokenPairs | None:
     return load_token_pairs(dev_path, model_vocab_size(model_dir))
 
 
+def add_logger_args(parser) -> None:
+    """The training stages' experiment loggers (stages/engine/live_log.py)."""
+    parser.add_argument("--live-dir", help="DVCLive's folder (metrics.json, plots/metrics/*.tsv; rank 0): the rule's "
+                        "results/<stage>/dvclive, a hashed output (`dvc exp show`, `dvc plots`). Default: none")
+    parser.add_argument("--tensorboard-dir", help="TensorBoard's folder when train.tensorboard is true (untracked; "
+                        "emptied first). Default: logs/tensorboard/<--out-dir without its leading results/>")
+
+
+def logger_dirs(args) -> dict:
+    """train()'s live_dir and tensorboard_dir from add_logger_args' arguments."""
+    from stages.engine.live_log import default_tensorboard_dir
+    return {"live_dir": Path(args.live_dir) if args.live_dir else None,
+            "tensorboard_dir": Path(args.tensorboard_dir) if args.tensorboard_dir
+            else default_tensorboard_dir(args.out_dir)}
+
+
 def add_checkpoint_args(parser) -> None:
     parser.add_argument("--checkpoint-dir", help="periodic checkpoints (train.save_every) go here and --resume auto "
                         "looks here; keep it outside the stage's declared outputs (e.g. checkpoints/train_dpo). "

@@ -69,6 +69,8 @@ class DevEval:
         if env.is_main:
             row = dev_row(step, run.objective.probe_rows(run.dev_pairs, outputs, split="dev"))
             self.rows.append(row)
+            if run.live is not None:
+                run.live.dev_rows([row])
             log.info("dev step %d: accuracy %.4f margin %.4g sigmoid_loss %.5f over %d pairs", step, row["accuracy"],
                      row["margin"], row["sigmoid_loss"], row["pairs"])
             if (run.settings.select_best and step >= 1

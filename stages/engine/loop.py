@@ -43,6 +43,7 @@ from stages.engine.dist import (DistEnv, compute_dtype, control_exchange, disabl
                                 peak_reserved_bytes, seed_everything, wrap_model)
 from stages.engine.export import export_model, host_state_dict
 from stages.engine.guards import check_plan
+from stages.engine.live_log import LiveLog, tensorboard_writer_class
 from stages.engine.objectives import Objective
 from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
 from stages.engine.optim import LRSchedule, build_optimizer, check_optimizer_settings
@@ -136,6 +137,7 @@ class Run:
     memory_plan: dict | None = None    # stages/engine/memory_plan.py's estimate, made before the model load
     dev_pairs: TokenPairs | None = None  # the dev split (probe.dev_size > 0), scored by `dev`
     dev: DevEval | None = None
+    live: LiveLog | None = None        # DVCLive / TensorBoard (stages/engine/live_log.py; rank 0 writes)
 
 
 def plan_memory(objective: Objective, settings: TrainSettings, env: DistEnv, model_dir: Path, train_pairs: TokenPairs,
@@ -333,10 +335,13 @@ class TrainLog:
         values = torch.stack([v for _, v in self.pending]).tolist()
         now = time.perf_counter()
         tok_s = round(self.window_tokens / max(now - self.window_start, 1e-9), 1)
+        first = len(self.rows)
         for (row, _), vals in zip(self.pending, values):
             row.update({name: vals[i] / row["pairs"] for i, name in enumerate(names)})
             row["grad_norm"] = vals[-1]
             self.rows.append({k: row[k] for k in ["step", "epoch", *names, "lr", "grad_norm", "pairs", "tokens"]})
+        if self.run.live is not None:
+            self.run.live.train_rows(self.rows[first:])   # DVCLive's files, as the rows reach the host
         last = self.rows[-1]
         self.throughput.append({"step": last["step"], "tokens_per_s": tok_s})
         if "accuracy" in names:           # a preference objective (DPO, reward model)
@@ -392,15 +397,22 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
           probe_pairs: TokenPairs, out_dir: Path, checkpoint: CheckpointOptions | None = None,
           dev_pairs: TokenPairs | None = None,
           environment: dict | None = None, perf_path: Path | None = None,
-          export_files: dict[str, str] | None = None) -> dict:
+          export_files: dict[str, str] | None = None, live_dir: Path | None = None,
+          tensorboard_dir: Path | None = None) -> dict:
     """Train (resuming from a checkpoint when one fits), evaluate the probe at step 0 and at the end,
     export (with `export_files` written beside the tokenizer: export_model); returns run_info plus its `perf`
     (rank 0 writes files).
 
     run_info.json holds only what the same commit, params, data and environment reproduce byte for byte
     (it is an artifact hashed in dvc.lock and the evidence); timings, throughput and memory go to
-    `perf_path` (the rule's `*.perf.json` log, outside the hashed record)."""
+    `perf_path` (the rule's `*.perf.json` log, outside the hashed record).
+
+    live_dir: DVCLive's folder (metrics.json, plots/metrics/*.tsv; stages/engine/live_log.py), a hashed output of
+    the stage like train_log.csv; None: none. tensorboard_dir: TensorBoard's (untracked), written only when
+    train.tensorboard is true."""
     t_start = time.perf_counter()
+    if settings.tensorboard:
+        tensorboard_writer_class()              # refused on every rank before any weight is read, naming the key
     ckpt = checkpoint or CheckpointOptions(directory=None, resume="never")
     if settings.save_every and ckpt.directory is None:
         raise TrainConfigError(f"train.save_every = {settings.save_every} needs a checkpoint directory "
@@ -413,6 +425,12 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
         Path(out_dir).mkdir(parents=True, exist_ok=True)
     run = build_run(objective, settings, env, model_dir, train_pairs, probe_pairs, out_dir, ckpt, dev_pairs)
     state, plans, pair_tokens = run.state, run.plans, run.train_pairs.pair_tokens
+    run.live = LiveLog(live_dir, tensorboard_dir if settings.tensorboard else None, objective.metric_names,
+                       env.is_main)
+    if run.resumed is not None:                  # the folders afresh from the checkpoint's rows: an uninterrupted run's
+        run.live.train_rows(state.log_rows)
+        if run.dev is not None:
+            run.live.dev_rows(run.dev.rows)
 
     if run.resumed is None:
         run.step0_rows = probe(run, "step0")
@@ -463,6 +481,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
         profiler.finish(state.step)
     graph_info = steps.finish()
     train_log.close()
+    run.live.close(state.step)
     train_seconds = time.perf_counter() - t_train
 
     # What the stage's wall time holds after the loop (pipeline_bench reads it): the last probe and the export.

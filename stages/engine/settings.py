@@ -10,7 +10,7 @@ from dataclasses import asdict, dataclass, fields
 
 import jsonschema
 
-from stages.lib.params import resolved_optimizer
+from stages.lib.params import TRAIN_DISPLAY_ONLY, resolved_optimizer
 
 
 class TrainConfigError(ValueError):
@@ -58,6 +58,7 @@ class TrainSettings:
     optimizer: dict | None = None
     eval_every: int = 0                # score the dev split every N steps too (0: at step 0 and the end only)
     select_best: bool = False          # export the best dev-accuracy step's weights instead of the last
+    tensorboard: bool = False          # also log to TensorBoard (untracked; stages/engine/live_log.py)
 
     def __post_init__(self):
         if self.temperature != 1.0:
@@ -88,8 +89,10 @@ class TrainSettings:
         return min(int(ac), n_layers)
 
     def record(self) -> dict:
-        """The settings as a JSON-able dict (run_info, checkpoint header): every field, null where unset."""
-        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()}
+        """The settings as a JSON-able dict (run_info, checkpoint header): every field, null where unset, but for
+        the display-only ones (TRAIN_DISPLAY_ONLY: where curves are also shown decides no byte of the run)."""
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(self).items()
+                if k not in TRAIN_DISPLAY_ONLY}
 
     @classmethod
     def for_inference(cls, params: dict) -> "TrainSettings":

@@ -34,7 +34,7 @@ from stages.evidence.records import (PROBE_SOURCES, bundle_records, portable_rec
 from stages.lib.io import MD5, hash_bytes, hash_file, leaves_repository, sha256_bytes
 from stages.lib.layout import DEV_OUTPUTS, STAGE_OUTPUTS
 from stages.lib.stage_plan import TRAINED, bundle_artifacts
-from stages.lib.params import ABSENT, dotted_lookup, resolved_train
+from stages.lib.params import ABSENT, TRAIN_DISPLAY_ONLY, dotted_lookup, resolved_train
 
 MANIFEST = f"{BUNDLE_ROOT}/manifest.json"
 PARAMS = f"{BUNDLE_ROOT}/params.yaml"
@@ -330,7 +330,7 @@ def _check_params(v: Verdicts, b: _Bundle, ws: _Workspace | None) -> None:
         settings = run["settings"]
         diffs = [f"train.{k}: params.yaml {train.get(k, '(absent)')!r}, the {label} run trained with "
                  f"{settings.get(k, '(absent)')!r}" for k in sorted(set(train) | set(settings))
-                 if train.get(k, ABSENT) != settings.get(k, ABSENT)]
+                 if train.get(k, ABSENT) != settings.get(k, ABSENT) and k not in TRAIN_DISPLAY_ONLY]
         if label == "dpo" and run.get("objective") != b.params["dpo"]["objective"]:
             diffs.append(f"dpo.objective: params.yaml {b.params['dpo']['objective']!r}, the run's "
                          f"{run.get('objective')!r}")

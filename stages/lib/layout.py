@@ -33,12 +33,14 @@ STAGE_OUTPUTS: dict[str, dict[str, str]] = {
             "identity": "results/sft/ref_identity.json",
             "data_report": "results/sft/sft_data.json",
             "plots_train_log": "results/sft/train_log.csv",
+            "live": "results/sft/dvclive",                           # a directory (DVCLive: stages/engine/live_log.py)
             "run_info": "results/sft/run_info.json",
             "probe_step0": "results/sft/probe_step0.jsonl",
             "probe_final": "results/sft/probe_final.jsonl"},
     "ref_logps": {"ref_logps": "results/ref_logps/ref_logps.parquet"},
     **{stage: {"model": f"results/{stage}/model",                  # a directory (the HF export)
                "plots_train_log": f"results/{stage}/train_log.csv",
+               "live": f"results/{stage}/dvclive",                 # a directory (DVCLive's metrics.json, plots/)
                "run_info": f"results/{stage}/run_info.json",
                "probe_step0": f"results/{stage}/probe_step0.jsonl",
                "probe_final": f"results/{stage}/probe_final.jsonl"} for stage in ("train_dpo", "train_rm")},

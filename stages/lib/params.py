@@ -249,7 +249,11 @@ def load_defaults() -> dict[str, Any]:
 DEFAULT_OPTIMIZER = {"state": "exact", "fused_backward": False}
 # The optional `train` keys and what their absence means: no adapter (full fine-tuning), the default optimizer, every
 # step train.epochs make, no dev scoring between step 0 and the end, the last step's weights exported.
-TRAIN_OPTIONAL = {"adapter": None, "optimizer": None, "max_steps": None, "eval_every": 0, "select_best": False}
+TRAIN_OPTIONAL = {"adapter": None, "optimizer": None, "max_steps": None, "eval_every": 0, "select_best": False,
+                  "tensorboard": False}
+# `train` keys that only choose where a run's curves are also shown: no run record carries them (TrainSettings.record),
+# so report verify does not compare them.
+TRAIN_DISPLAY_ONLY = frozenset({"tensorboard"})
 
 
 def resolved_optimizer(optimizer: dict | None) -> dict | None:

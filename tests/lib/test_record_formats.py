@@ -28,8 +28,11 @@ def test_docs_list_every_record_format_and_no_other():
 def test_train_settings_record_writes_every_field_null_where_unset():
     from engine_helpers import train_settings
     from stages.engine.settings import TrainSettings
+    from stages.lib.params import TRAIN_DISPLAY_ONLY
     rec = train_settings().record()
-    assert set(rec) == {f.name for f in fields(TrainSettings)}     # no field dropped at its default
+    # no field dropped at its default; the display-only ones (train.tensorboard) are never a run's record
+    assert set(rec) == {f.name for f in fields(TrainSettings)} - TRAIN_DISPLAY_ONLY
+    assert train_settings(tensorboard=True).record() == rec
     assert rec["adapter"] is None and rec["optimizer"] is None and rec["max_steps"] is None
     assert rec["eval_every"] == 0 and rec["select_best"] is False
     # the default optimizer spelled out is the default: null, the same record

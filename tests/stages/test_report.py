@@ -46,8 +46,8 @@ ARTIFACTS = bundle_artifacts(yaml.safe_load((REPO / "params.yaml").read_text()))
 # The sft stage's outputs (params `sft` set): synthetic_probe.py writes them, agreeing with the reference identity.
 SYNTH_OUTS += [p for p, stage in ARTIFACTS.items() if stage == "sft"]
 HASHED_ONLY = [p for p, stage in ARTIFACTS.items() if stage in ("normalize", "freeze_probe", "verify_ref", "tokenize",
-                                                                "sft", "ref_logps", "generate")] + ["results/train_dpo/model",
-                                                                                 "results/train_rm/model"]
+                                                                "sft", "ref_logps", "generate")] + [
+    f"results/{stage}/{out}" for stage in ("train_dpo", "train_rm") for out in ("model", "dvclive")]
 STAND_INS = [p for p in HASHED_ONLY if p not in SYNTH_OUTS]
 REPORT_ARGS = (["--params", "params.yaml", "--artifacts", *HASHED_ONLY,
                 "--metrics", "metrics/dpo.json", "metrics/rm.json", "--per-pair", *PER_PAIR,

@@ -51,6 +51,7 @@ rule sft:
         identity=OUT["sft"]["identity"],
         data_report=OUT["sft"]["data_report"],
         plots_train_log=OUT["sft"]["plots_train_log"],
+        live=directory(OUT["sft"]["live"]),
         run_info=OUT["sft"]["run_info"],
         probe_step0=OUT["sft"]["probe_step0"],
         probe_final=OUT["sft"]["probe_final"],
@@ -75,6 +76,7 @@ rule sft:
         " --identity {input.identity} {params.cli_data} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/sft"
         " --environment {input.environment} --log {log.main} --perf {log.perf}"
+        " --live-dir {output.live}"
 
 
 rule ref_logps:
@@ -127,6 +129,7 @@ rule train_dpo:
     output:
         model=directory(OUT["train_dpo"]["model"]),
         plots_train_log=OUT["train_dpo"]["plots_train_log"],
+        live=directory(OUT["train_dpo"]["live"]),
         run_info=OUT["train_dpo"]["run_info"],
         probe_step0=OUT["train_dpo"]["probe_step0"],
         probe_final=OUT["train_dpo"]["probe_final"],
@@ -152,6 +155,7 @@ rule train_dpo:
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " {params.cli_ref_logps} --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_dpo"
         " --environment {input.environment} --log {log.main} --perf {log.perf}{params.cli_dev}"
+        " --live-dir {output.live}"
 
 
 rule train_rm:
@@ -167,6 +171,7 @@ rule train_rm:
     output:
         model=directory(OUT["train_rm"]["model"]),
         plots_train_log=OUT["train_rm"]["plots_train_log"],
+        live=directory(OUT["train_rm"]["live"]),
         run_info=OUT["train_rm"]["run_info"],
         probe_step0=OUT["train_rm"]["probe_step0"],
         probe_final=OUT["train_rm"]["probe_final"],
@@ -191,3 +196,4 @@ rule train_rm:
         " --identity {input.identity} --train-tokens {input.train_tokens} --probe-tokens {input.probe_tokens}"
         " --out-dir {params.cli_out_dir} --checkpoint-dir checkpoints/train_rm"
         " --environment {input.environment} --log {log.main} --perf {log.perf}{params.cli_dev}"
+        " --live-dir {output.live}"
