@@ -111,8 +111,13 @@ onerror:
     if RUN_GUARD is not None:
         _dag = sorted({job.rule.name for job in workflow.dag.jobs} - {"all"})
         if not workflow.touch:
+            _needrun = {job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)} - {"all"}
             _finished = sorted({job.rule.name for job in workflow.dag.needrun_jobs(exclude_finished=False)
                                 if workflow.dag.finished(job)} - {"all"})
+            # The stages that did not finish (the failed one: a stage log it appended to, outputs it half wrote)
+            # are left out of the record's DAG: their changed outputs are reported, never a reason to refuse
+            # recording the stages that did finish (as for a stage outside a targeted run's DAG).
+            _dag = sorted(set(_dag) - (_needrun - set(_finished)))
             if _finished and RUN_GUARD.commit_stages(_finished, _dag) == 0:
                 print(f"integrity: the run failed; recorded in dvc.lock the stages it finished: "
                       f"{', '.join(_finished)}", file=sys.stderr)

@@ -110,6 +110,27 @@ def model_outputs(model_dir: str, parquet: str, out: str, lora: bool = False) ->
                 "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}, out)
 
 
+def check_decode_rotary(device: str = "cpu") -> None:
+    """modeling._fused_rotary on a decode step's q/k ([B, H, 1, D], views of the projections' [B, 1, H, D] outputs,
+    the rows as the kernel's tokens) against HF's apply_rotary_pos_emb, forward."""
+    from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
+    from stages.engine.modeling import _fused_rotary
+    torch.manual_seed(0)
+    fused = _fused_rotary(apply_rotary_pos_emb)
+    for b, hq, hk, d in ((5, 4, 2, 16), (3, 14, 2, 64)):
+        q = torch.randn(b, 1, hq, d, device=device).transpose(1, 2)
+        k = torch.randn(b, 1, hk, d, device=device).transpose(1, 2)
+        ang = torch.randn(b, 1, d // 2, device=device)
+        emb = torch.cat([ang, ang], -1)
+        cos, sin = emb.cos(), emb.sin()
+        qo, ko = fused(q, k, cos, sin)
+        rq, rk = apply_rotary_pos_emb(q, k, cos, sin)
+        assert qo.shape == rq.shape == (b, hq, 1, d) and ko.shape == rk.shape
+        torch.testing.assert_close(qo, rq, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ko, rk, rtol=1e-5, atol=1e-5)
+    print("decode rotary ok")
+
+
 def check_decode_attention(device: str = "cpu") -> None:
     """kernels.decode_attention against the decode step's masked two-matmul attention in float64 (the form the
     CPU path runs, generation_attention_forward without a key count), GQA groups of 1, 7 and 8 query heads a KV
@@ -475,6 +496,7 @@ if __name__ == "__main__":
         check_kernels()
     elif sys.argv[1] == "decode_attention":
         check_decode_attention()
+        check_decode_rotary()
     elif sys.argv[1] == "flat_adamw":
         check_flat_adamw()
     elif sys.argv[1] == "flat_lowbit":

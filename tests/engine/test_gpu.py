@@ -202,8 +202,9 @@ def test_flat_adamw_equals_the_eager_master_weight_step_on_gpu():
 def test_decode_attention_kernel_equals_the_masked_matmul_attention_on_gpu():
     """Generation's decode-attention kernel in bf16 on CUDA against the masked two-matmul form in float64 (the
     check the CPU suite runs under Triton's interpreter in fp32)."""
-    from triton_interpret_checks import check_decode_attention
+    from triton_interpret_checks import check_decode_attention, check_decode_rotary
     check_decode_attention("cuda")
+    check_decode_rotary("cuda")
 
 
 def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():

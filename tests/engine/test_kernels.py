@@ -24,9 +24,11 @@ def test_kernels_match_hf_math_forward_and_backward_under_the_interpreter():
 
 @needs_triton
 def test_decode_attention_kernel_equals_the_masked_matmul_attention_under_the_interpreter():
-    """Generation's CUDA decode attention (kernels.decode_attention): each row reads only its own keys, and equals
-    the masked two-matmul form the CPU path runs (tests/triton_interpret_checks.py check_decode_attention)."""
-    assert "decode attention ok" in interpret("decode_attention")
+    """Generation's CUDA decode step: its attention kernel (kernels.decode_attention) reads only each row's own keys
+    and equals the masked two-matmul form the CPU path runs; its rotary embedding (the rows as the rotary kernel's
+    tokens) equals HF's (tests/triton_interpret_checks.py check_decode_attention, check_decode_rotary)."""
+    out = interpret("decode_attention")
+    assert "decode attention ok" in out and "decode rotary ok" in out
 
 
 @needs_triton
