@@ -105,9 +105,10 @@ def render_generation_section(generation: dict | None, params: dict) -> list[str
     order = [k for k in bounds if k in length["buckets"]] + sorted(set(length["buckets"]) - set(bounds))
     for name in order:
         b = length["buckets"][name]
+        # an empty bucket's means are null (prefpipe-generation-metrics/1 writes every field)
         lines.append(f"| {bounds.get(name, name)} | {b['pairs']} | "
-                     f"{_f(b['win_rate']) if 'win_rate' in b else '-'} | "
-                     f"{_f(b['reward_diff']) if 'reward_diff' in b else '-'} |")
+                     f"{_f(b['win_rate']) if b.get('win_rate') is not None else '-'} | "
+                     f"{_f(b['reward_diff']) if b.get('reward_diff') is not None else '-'} |")
     shown = [r for r in rows if r.get("sample") == 0][:SHOWN_PROMPTS]
     if shown:
         lines += ["", f"### The first {len(shown)} probe prompts", ""]
