@@ -150,9 +150,12 @@ def _throughput(side: str, run, seconds: float, load_seconds: float) -> dict:
     tokens = sum(len(c.tokens) for c in run.completions)
     out = {"completions": len(run.completions), "generated_tokens": tokens, "seconds": round(seconds, 3),
            "load_seconds": round(load_seconds, 3), "completions_per_s": round(len(run.completions) / seconds, 2),
-           "tokens_per_s": round(tokens / seconds, 1), "batches": run.batches, "cuda_graphs": run.cuda_graphs}
+           "tokens_per_s": round(tokens / seconds, 1), "batches": run.batches, "cuda_graphs": run.cuda_graphs,
+           "decode_attention": run.decode_attention}
     log.info("%s: %d completions, %d tokens in %.2f s: %.1f completions/s, %.0f tokens/s", side,
              len(run.completions), tokens, seconds, out["completions_per_s"], out["tokens_per_s"], extra=MEASUREMENT)
+    if run.decode_attention not in ("kernel", "matmul: not CUDA"):     # the kernel refused on this GPU: slower
+        log.warning("%s: decode attention ran as %s", side, run.decode_attention, extra=MEASUREMENT)
     return out
 
 

@@ -156,6 +156,17 @@ def check_decode_attention(device: str = "cpu") -> None:
         tol = 2e-5 if dtype == torch.float32 else 2e-2
         torch.testing.assert_close(out.double(), ref, rtol=tol, atol=tol)
     assert not kernels.decode_attention_supported(torch.randn(2, 4, 2, 16, device=device), k)   # two query tokens
+    # generate's own check before it lets the kernel serve a call (decode_kernel_problem): passes here, and a
+    # kernel made wrong (its output scaled) is caught, so the call would fall back to the matmul form
+    from stages.engine import generation
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    assert generation.decode_kernel_problem(14, 2, 64, dtype, torch.device(device)) is None
+    right = kernels.decode_attention
+    try:
+        kernels.decode_attention = lambda *a, **kw: right(*a, **kw) * 1.05
+        assert "disagrees" in generation.decode_kernel_problem(14, 2, 64, dtype, torch.device(device))
+    finally:
+        kernels.decode_attention = right
     print("decode attention ok")
 
 

@@ -280,11 +280,42 @@ def row_invariant_linears(model: nn.Module):
 
 @dataclass
 class GenerationRun:
-    """What a call did: the completions (in (prompt, sample) order) and facts for the stage's records."""
+    """What a call did: the completions (in (prompt, sample) order) and facts for the stage's records.
+    decode_attention: "kernel" (kernels.decode_attention) or "matmul: <why not the kernel>" (a measurement: the
+    stages put it in their perf log, not in a record)."""
     completions: list[Completion]
     batches: int
     cache_length: int
     cuda_graphs: dict
+    decode_attention: str = "matmul: not CUDA"
+
+
+def decode_kernel_problem(q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                          device: torch.device) -> str | None:
+    """Why kernels.decode_attention must not serve this call's decode steps; None when it may. It must be able to
+    run here, and it must agree with the masked two-matmul form (the CPU path, in float64) on this device for this
+    head geometry: three random rows of 1, 70 and 33 keys, to the dtype's rounding. Checked at every call, on the
+    machine it runs on: the GPU suite (bench/gpu_check.py) runs per commit, on one card, and a kernel that is wrong
+    on another would write wrong completions without a word. On failure the call runs the matmul form."""
+    b, length = 3, 70
+    gen = torch.Generator(device="cpu").manual_seed(0)
+    q = torch.randn(b, 1, q_heads, head_dim, generator=gen).to(device, dtype).transpose(1, 2)
+    k, v = (torch.randn(b, kv_heads, length, head_dim, generator=gen).to(device, dtype) for _ in range(2))
+    if not kernels.decode_attention_supported(q, k):
+        return "the kernel does not take this head geometry or dtype, or Triton cannot run here"
+    count = torch.tensor([1, length, 33], device=device)
+    mask = torch.arange(length, device=device)[None, :] < count[:, None]
+    try:
+        out = kernels.decode_attention(q, k, v, count, head_dim ** -0.5).double()
+    except Exception as e:  # noqa: BLE001 - any launch failure: the matmul form, with the reason
+        return f"the kernel failed to run: {type(e).__name__}: {e}"[:300]
+    ref, _ = generation_attention_forward(None, q.double(), k.double(), v.double(), None, head_dim ** -0.5,
+                                          prefpipe_key_mask=mask)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    worst = float((out - ref).abs().max())
+    if not worst <= tol:                      # NaN fails too
+        return f"the kernel disagrees with the matmul form on this device (max difference {worst:.3g} > {tol})"
+    return None
 
 
 def _model_dims(model: nn.Module) -> tuple[int, int, int]:
@@ -314,15 +345,17 @@ def cache_argument(model: nn.Module) -> str:
 class _DecodeStep:
     """The decode forward over fixed tensors (token, position, key mask, cache), eager or as a CUDA graph."""
 
-    def __init__(self, model: nn.Module, cache: GenerationCache, batch: int, length: int, device, graphs: bool):
+    def __init__(self, model: nn.Module, cache: GenerationCache, batch: int, length: int, device, graphs: bool,
+                 attention_kernel: bool = False):
         self.model, self.cache = model, cache
         self.cache_kw = {cache_argument(model): cache}
         self.tokens = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.positions = torch.zeros(batch, 1, dtype=torch.int64, device=device)
         self.key_mask = torch.zeros(batch, length, dtype=torch.bool, device=device)
         self.key_index = torch.arange(length, device=device)
-        # CUDA: the keys each row reads, as a count, for the decode-attention kernel (generation_attention_forward)
-        self.key_count = torch.zeros(batch, dtype=torch.int64, device=device) if device.type == "cuda" else None
+        # the keys each row reads, as a count, for the decode-attention kernel (generation_attention_forward):
+        # on CUDA, where the kernel passed decode_kernel_problem's check
+        self.key_count = torch.zeros(batch, dtype=torch.int64, device=device) if attention_kernel else None
         self.graph = None
         self.logits: torch.Tensor | None = None
         self.want_graph = graphs
@@ -394,7 +427,11 @@ def generate(model: nn.Module, prompts: list[np.ndarray], prompt_keys: list[int]
     dtype = next(model.parameters()).dtype
     cache = GenerationCache(n_layers, batch, kv_heads, length, head_dim, dtype, device)
     graphs = cuda_graphs and device.type == "cuda"
-    step = _DecodeStep(model, cache, batch, length, device, graphs)
+    attention = "matmul: not CUDA"
+    if device.type == "cuda":
+        problem = decode_kernel_problem(model.config.num_attention_heads, kv_heads, head_dim, dtype, device)
+        attention = "kernel" if problem is None else f"matmul: {problem}"
+    step = _DecodeStep(model, cache, batch, length, device, graphs, attention_kernel=attention == "kernel")
     keys_all = row_keys(settings.seed, [prompt_keys[i] for i, _ in items], [k for _, k in items])
     stop_ids = torch.tensor(stop.ids, dtype=torch.int64, device=device)
     invariant = row_invariant_linears(model) if device.type == "cpu" else contextlib.nullcontext()
@@ -415,7 +452,7 @@ def generate(model: nn.Module, prompts: list[np.ndarray], prompt_keys: list[int]
             n_batches += 1
             if on_batch is not None:
                 on_batch(min(start + batch, len(items)), len(items))
-    return GenerationRun(out, n_batches, length, step.graph_state)
+    return GenerationRun(out, n_batches, length, step.graph_state, attention)
 
 
 def _completion(prompt: int, sample: int, row: list[int], stop: StopTokens) -> Completion:
