@@ -10,6 +10,8 @@ The loop (`generate`), per batch of `batch_size` (prompt, sample) items:
   decode   one token per row and step: input [B, 1] at the row's own position; its key/value go to that position
            of the cache and the query attends to the row's positions 0 .. position (the rest masked): two matmuls
            and a float32 softmax over the cache, the grouped query heads of a KV head sharing its keys (no copy).
+           On CUDA one Triton kernel instead (kernels.decode_attention: each row reads its own keys only), once
+           decode_kernel_problem has found it agreeing with the matmul form on that card.
   L = the longest prompt of the call + max_new_tokens, the same for every batch. A row stops at a stop token
   (an EOS id, or the rendering's end-of-turn token) or after max_new_tokens; the batch when every row has.
   A last batch with fewer items is padded with finished one-token rows. On CUDA with `cuda_graphs`, the decode step
