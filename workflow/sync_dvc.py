@@ -13,8 +13,10 @@ the very same shell command, deps (the rule's inputs), outs, params and metrics/
   an uncached curve existed in no revision but the workspace); an output named `persist_*` is kept across reruns
   (`persist: true`); one named `live*` is a DVCLive folder (stages/engine/live_log.py): a cached out whose
   metrics.json is a top-level `metrics:` entry (`dvc exp show` reads it from the workspace while `dvc exp run` trains,
-  and from DVC's cache for a finished experiment or commit) and whose plots/metrics folder a top-level plot (x: step,
-  one curve a file);
+  and from DVC's cache for a finished experiment or commit). Its plots/metrics folder is no top-level plot: a plot
+  path inside a directory out makes DVC open that directory's listing from its cache, and `dvc exp run <stage>` on a
+  clone that never built the other training stages then fails on their missing listing (DVC's
+  _collect_pipeline_files); `dvc plots show --targets results/<stage>/dvclive/plots/metrics` draws it;
 * `benchmark:` files and `*.perf.json` logs are not DVC outs (timings change on every run and prove
   nothing); a rule param named `env_*` is a Snakemake-only rerun trigger (the installed packages,
   which DVC cannot hash: DVC sees the lock file, a dep of the environment stage);
@@ -54,7 +56,7 @@ HEADER = (
 # The train-log columns each curve plots: a preference objective's (train_dpo, train_rm), sft's.
 PLOT_FIELDS = {"pairs": ["loss", "accuracy", "margin"], "sft": ["loss", "completion_logp"]}
 # A DVCLive folder's summary and its per-metric histories (stages/engine/live_log.py).
-LIVE_METRICS, LIVE_PLOTS = "metrics.json", "plots/metrics"
+LIVE_METRICS = "metrics.json"
 # The dev curve (train.eval_every; probe.dev_size > 0): the columns of a training stage's dev_log.csv.
 DEV_PLOT = ("dev_log.csv", ["accuracy", "margin", "sigmoid_loss"])
 
@@ -166,8 +168,7 @@ def render_dvc_yaml(jobs: list, config: dict) -> str:
         # accuracy and margin: naming those made every `dvc plots diff` warn that the fields are missing).
         doc["plots"] = [{p: plot_definition(p)} for p in curves]
     if live:
-        doc["metrics"] = [f"{d}/{LIVE_METRICS}" for d in live]
-        doc.setdefault("plots", []).extend({f"{d}/{LIVE_PLOTS}": {"x": "step"}} for d in live)
+        doc["metrics"] = [f"{d}/{LIVE_METRICS}" for d in live]        # no top-level plots (module docstring)
     body = yaml.safe_dump(doc, sort_keys=False, width=1000, default_flow_style=False)
     return HEADER + body
 
