@@ -53,6 +53,11 @@ DAG_ONLY = "PREFPIPE_DAG_ONLY"
 FORCED = "PREFPIPE_FORCED_STAGES"
 
 
+# LibYAML's safe loader where PyYAML was built with it (the lock's wheel is): the same documents as yaml.SafeLoader,
+# ~10x faster. dvc.lock is read at every Snakemake start (0.85 s with the pure-Python loader on a 2-core CPU).
+FAST_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 class IntegrityError(Exception):
     """The run cannot start or be recorded; str() is one line naming the file and what to do."""
 
@@ -64,7 +69,7 @@ def read_lockfile(root: Path = ROOT) -> dict:
         return {}
     text = path.read_text(encoding="utf-8", errors="replace")
     try:
-        doc = yaml.safe_load(text)
+        doc = yaml.load(text, Loader=FAST_SAFE_LOADER)
     except yaml.YAMLError as e:
         raise IntegrityError(f"{LOCKFILE} is not valid YAML ({str(e).splitlines()[0]}): restore it with "
                              f"`git checkout {LOCKFILE}` (the committed record) before running") from e
@@ -411,7 +416,7 @@ def refresh_snakemake_records(repo, root: Path, recorded: dict, matching: list[s
     outs = {stage.name: [out.path for out in stage.outs if not out.persist]   # persisted logs are no Snakemake outputs
             for stage in stages if stage.name in behind}
     try:
-        params = yaml.safe_load((root / "params.yaml").read_text(encoding="utf-8"))
+        params = yaml.load((root / "params.yaml").read_text(encoding="utf-8"), Loader=FAST_SAFE_LOADER)
         env_now = _env_triggers(params)
     except Exception as e:  # noqa: BLE001 -- no value to compare: such stages are left to Snakemake's trigger
         log(f"integrity: the installed-packages trigger could not be computed ({type(e).__name__}: {e})")

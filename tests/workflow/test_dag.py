@@ -197,6 +197,37 @@ def test_code_deps_follow_imports_lazy_ones_too(tmp_path):
                                                              "stages/plug/one.py", "stages/plug/two.py"]
 
 
+
+def _code_deps_in_a_new_process(root: Path, module: str) -> list[str]:
+    """code_deps as a fresh Snakemake start computes it: a new process, only the on-disk cache carried over."""
+    r = subprocess.run([sys.executable, "-c", "import sys, json; sys.path.insert(0, sys.argv[1]); "
+                        "from code_deps import code_deps; print(json.dumps(code_deps(sys.argv[2], root=sys.argv[3])))",
+                        str(REPO_ROOT / "workflow"), module, str(root)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return __import__("json").loads(r.stdout)
+
+
+def test_code_deps_cache_is_keyed_by_content_so_an_edit_is_seen(tmp_path):
+    """The parse results kept between Snakemake starts (.snakemake/prefpipe_code_deps.json) never stand in for a
+    file's current bytes: an import added to a file whose size and mtime are kept shows up at the next start, and a
+    corrupt cache file is rebuilt, not trusted."""
+    pkg = tmp_path / "stages"
+    (pkg / "lib").mkdir(parents=True)
+    (pkg / "a.py").write_text("from stages.lib import b  #\n")
+    (pkg / "lib" / "b.py").write_text("X = 1\n")
+    (pkg / "lib" / "c.py").write_text("Y = 2\n")
+    assert _code_deps_in_a_new_process(tmp_path, "stages.a") == ["stages/a.py", "stages/lib/b.py"]
+    cache = tmp_path / ".snakemake/prefpipe_code_deps.json"
+    assert cache.is_file()
+    st = (pkg / "a.py").stat()
+    (pkg / "a.py").write_text("from stages.lib import c  #\n")        # same size
+    os.utime(pkg / "a.py", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert _code_deps_in_a_new_process(tmp_path, "stages.a") == ["stages/a.py", "stages/lib/c.py"]
+    cache.write_text('{"format": "prefpipe-code-deps/1", "entries": []}')
+    assert _code_deps_in_a_new_process(tmp_path, "stages.a") == ["stages/a.py", "stages/lib/c.py"]
+    cache.write_bytes(b"\xff not json")
+    assert _code_deps_in_a_new_process(tmp_path, "stages.a") == ["stages/a.py", "stages/lib/c.py"]
+
 def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
     """stages/lib/layout.py is the one list of artifact paths: the rules take their outputs from it, and an output
     added to a rule by hand (which the evidence bundle would never vouch for) stops the DAG build, naming the rule."""
