@@ -80,6 +80,17 @@ def _param_key(name: str, value, config: dict) -> str:
 
 
 @contextlib.contextmanager
+def _in_dir(path: Path):
+    """The working directory `path` for the block (Snakemake resolves relative targets against it)."""
+    before = os.getcwd()
+    os.chdir(path)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
+@contextlib.contextmanager
 def _environ(name: str, value: str):
     previous = os.environ.get(name)
     os.environ[name] = value
@@ -390,9 +401,17 @@ def record_for_snakemake(paths: list[str], root: Path = ROOT) -> None:
     problem = stale_dvc_yaml_problem(root)
     if problem is not None:
         raise StaleDvcYaml(problem)
-    env = {**os.environ, "PREFPIPE_INSIDE_DVC": "1"}
-    subprocess.run(["snakemake", "--touch", "--cores", "1", "--quiet", "all", "--", *paths], cwd=root, env=env,
-                   check=True, stdout=subprocess.DEVNULL)
+    # `snakemake --touch --cores 1 --quiet all -- PATHS`, through Snakemake's API in this process: the DAG read
+    # above already paid for importing Snakemake and collecting its plugins (a `snakemake` subprocess paid again,
+    # ~2 s of every stage DVC runs).
+    from snakemake.api import SnakemakeApi
+    from snakemake.settings.enums import Quietness
+    from snakemake.settings.types import DAGSettings, OutputSettings, ResourceSettings
+
+    with _environ("PREFPIPE_INSIDE_DVC", "1"), _in_dir(root), \
+            SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+        wf_api = api.workflow(resource_settings=ResourceSettings(cores=1), snakefile=root / "Snakefile", workdir=root)
+        wf_api.dag(DAGSettings(targets={"all", *paths})).execute_workflow(pseudo_executor="touch")
 
 
 def main(argv: list[str] | None = None) -> int:

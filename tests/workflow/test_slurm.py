@@ -142,6 +142,13 @@ def test_two_node_training_under_srun_equals_one_process(slurm, tmp_path):
     assert info["world_size"] == 2 and info["backend"] == "gloo"
 
 
+# Seconds from a submission to the plugin's first status check (then +10 s a check until a job ends): a data or
+# report stage's job takes 7-9 s here (two nested Snakemake starts, then the stage), a training one 15-20 s; at 10 the
+# first are seen at the first check and the others at the second (30 s). 14 made each short job wait 14 s, the long
+# ones 38 s: 353 s for the run against 380 s at 1.
+FIRST_CHECK = "10"
+
+
 @pytest.mark.slurm
 @pytest.mark.slow
 def test_default_pipeline_through_the_slurm_executor(slurm, tmp_path):
@@ -150,8 +157,9 @@ def test_default_pipeline_through_the_slurm_executor(slurm, tmp_path):
     cap_training_steps(repo)
     run([sys.executable, "workflow/sync_dvc.py"], repo, slurm.env, 120)
     out = run(["snakemake", "--executor", "slurm", "--workflow-profile", "workflow/profiles/slurm",
-               # no slurmdbd here (the profile's note); poll quickly, the jobs take seconds
-               "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+               # no slurmdbd here (the profile's note). The plugin checks FIRST_CHECK s after a submission and adds
+               # 10 s to each further wait until a job ends: at 1 s, a job of 10-14 s (most here) was seen at 33 s.
+               "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", FIRST_CHECK,
                "--seconds-between-status-checks", "2", "--latency-wait", "5"],
               cwd=repo, env=slurm.env, timeout=1500)
     # Every stage was an sbatch job that Slurm ran to completion: the plugin's job ids, Slurm's own record of
@@ -176,7 +184,7 @@ def test_default_pipeline_through_the_slurm_executor(slurm, tmp_path):
     params.write_text(params.read_text().replace("\n  nodes: 1\n", "\n  nodes: 2\n", 1))
     run([sys.executable, "workflow/sync_dvc.py"], repo, slurm.env, 120)
     out = run(["snakemake", "--executor", "slurm", "--workflow-profile", "workflow/profiles/slurm",
-               "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", "1",
+               "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", FIRST_CHECK,
                "--latency-wait", "5", "results/train_rm/run_info.json"], cwd=repo, env=slurm.env, timeout=900)
     # train_rm's launch changed, and so did sft's when the default fine-tunes the reference first (train_rm
     # starts from sft's export): each reruns as one job on both nodes.
