@@ -50,7 +50,8 @@ def _summarize(text: str, filename: str) -> dict:
             names += [f"{node.module}.{a.name}" for a in node.names]   # `from stages.lib import kernels`
         elif isinstance(node, ast.Import):
             names += [a.name for a in node.names if a.name == PACKAGE or a.name.startswith(PACKAGE + ".")]
-        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "iter_modules":
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr",
+                                                    getattr(node.func, "id", None)) == "iter_modules":
             lists_directory = True
     body = tree.body
     if body and isinstance(body[0], ast.Expr) and isinstance(getattr(body[0], "value", None), ast.Constant):

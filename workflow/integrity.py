@@ -45,7 +45,8 @@ import dvc_adapter
 ROOT = Path(__file__).resolve().parents[1]
 LOCKFILE = "dvc.lock"
 # Set by the processes that must not take DVC's lock or force reruns: `dvc repro`'s own stage commands
-# (sync_dvc.py --record-for-snakemake runs `snakemake --touch` while DVC holds the lock) and sync_dvc.py's DAG build.
+# (sync_dvc.py --record-for-snakemake runs Snakemake's touch, through its API, while DVC holds the lock) and
+# sync_dvc.py's DAG build.
 INSIDE_DVC = "PREFPIPE_INSIDE_DVC"
 DAG_ONLY = "PREFPIPE_DAG_ONLY"
 # The stages a Snakemake command was started again to force (RunGuard.rerun_forcing), so the new process does not
