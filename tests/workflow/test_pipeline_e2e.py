@@ -8,7 +8,9 @@ metrics/, byte for byte: the golden check of the portable CPU numerics), then DV
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 
 import pytest
 import yaml
@@ -72,7 +74,14 @@ def test_snakemake_and_dvc_run_one_dag(tmp_path, tmp_path_factory):
     assert "train_dpo" in changed and changed <= downstream, changed
     out = sh("dvc", "repro", cwd=repo)
     assert set(re.findall(r"Running stage '(\w+)'", out)) == downstream, out
-    # DVC -> Snakemake: after DVC reran the stages, Snakemake agrees there is nothing to do.
+    # DVC -> Snakemake: after DVC reran the stages, Snakemake agrees there is nothing to do. First with the start-up
+    # guard off (PREFPIPE_INSIDE_DVC, as on a cluster node): the agreement is the records each DVC stage command
+    # wrote (sync_dvc.py --record-for-snakemake), not the guard's refresh of them at the next start, which would hide
+    # a record that was never written.
+    unguarded = subprocess.run(["snakemake", "-n", "--cores", "2"], cwd=repo, capture_output=True, text=True,
+                               env={**os.environ, "PREFPIPE_INSIDE_DVC": "1"})
+    assert unguarded.returncode == 0 and "Nothing to be done" in unguarded.stdout + unguarded.stderr, \
+        unguarded.stdout[-3000:] + unguarded.stderr[-3000:]
     assert "Nothing to be done" in sh("snakemake", "-n", "--cores", "2", cwd=repo)
     assert dvc_changed_stages(repo) == set()
     out = sh("dvc", "repro", cwd=repo)
