@@ -35,7 +35,6 @@ import argparse
 import contextlib
 import os
 import difflib
-import subprocess
 import sys
 from pathlib import Path
 
@@ -77,17 +76,6 @@ def _param_key(name: str, value, config: dict) -> str:
     if node != value:
         raise SystemExit(f"rule param {name!r} is not params.yaml's {key!r} value; it must be passed through unchanged")
     return key
-
-
-@contextlib.contextmanager
-def _in_dir(path: Path):
-    """The working directory `path` for the block (Snakemake resolves relative targets against it)."""
-    before = os.getcwd()
-    os.chdir(path)
-    try:
-        yield
-    finally:
-        os.chdir(before)
 
 
 @contextlib.contextmanager
@@ -408,8 +396,10 @@ def record_for_snakemake(paths: list[str], root: Path = ROOT) -> None:
     from snakemake.settings.enums import Quietness
     from snakemake.settings.types import DAGSettings, OutputSettings, ResourceSettings
 
-    with _environ("PREFPIPE_INSIDE_DVC", "1"), _in_dir(root), \
-            SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
+    from integrity import INSIDE_DVC
+
+    # workdir=root: the API changes into it, so PATHS resolve as on the command line DVC ran in root
+    with _environ(INSIDE_DVC, "1"), SnakemakeApi(OutputSettings(quiet={Quietness.ALL})) as api:
         wf_api = api.workflow(resource_settings=ResourceSettings(cores=1), snakefile=root / "Snakefile", workdir=root)
         wf_api.dag(DAGSettings(targets={"all", *paths})).execute_workflow(pseudo_executor="touch")
 

@@ -1,6 +1,7 @@
 """The Snakefile and dvc.yaml describe one DAG, and every rule follows the house rules."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -197,14 +198,13 @@ def test_code_deps_follow_imports_lazy_ones_too(tmp_path):
                                                              "stages/plug/one.py", "stages/plug/two.py"]
 
 
-
 def _code_deps_in_a_new_process(root: Path, module: str) -> list[str]:
     """code_deps as a fresh Snakemake start computes it: a new process, only the on-disk cache carried over."""
     r = subprocess.run([sys.executable, "-c", "import sys, json; sys.path.insert(0, sys.argv[1]); "
                         "from code_deps import code_deps; print(json.dumps(code_deps(sys.argv[2], root=sys.argv[3])))",
                         str(REPO_ROOT / "workflow"), module, str(root)], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    return __import__("json").loads(r.stdout)
+    return json.loads(r.stdout)
 
 
 def test_code_deps_cache_is_keyed_by_content_so_an_edit_is_seen(tmp_path):
@@ -227,6 +227,7 @@ def test_code_deps_cache_is_keyed_by_content_so_an_edit_is_seen(tmp_path):
     assert _code_deps_in_a_new_process(tmp_path, "stages.a") == ["stages/a.py", "stages/lib/c.py"]
     cache.write_bytes(b"\xff not json")
     assert _code_deps_in_a_new_process(tmp_path, "stages.a") == ["stages/a.py", "stages/lib/c.py"]
+
 
 def test_rule_outputs_are_the_layout_report_verify_requires(tmp_path):
     """stages/lib/layout.py is the one list of artifact paths: the rules take their outputs from it, and an output
