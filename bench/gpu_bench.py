@@ -9,6 +9,8 @@ Modes (--modes, comma-separated; a group name expands to its rows, in this order
                                             issue 20 part 1 in the params schema, else refused before any work
   trl        = trl_dpo_tuned, trl_rm_tuned  TRL's fastest: precompute_ref_log_probs, no gradient checkpointing
   trl_peft   = trl_dpo_peft, trl_rm_peft    the same + peft LoraConfig with LORA's r / alpha / dropout / targets
+  trl_ckpt_peft = trl_dpo_ckpt_peft, trl_rm_ckpt_peft   trl_peft with TRL's default gradient checkpointing: its fit
+               where trl_peft runs out of memory (14B on 80 GB); ours_lora's ratio is to trl_peft, else to this
   also trl_dpo, trl_rm                      TRL defaults (gradient checkpointing on; trl_dpo: live reference)
 The trl rows run ../shared/bench/trl_anchor.py (patched to --shape / --max-length / --concat) when the shape is
 one the anchor's config can express (tied embeddings, 2 KV heads, vocab 151,936), else bench/trl_peft_runner.py
@@ -135,10 +137,11 @@ LORA = {"type": "lora", "r": 16, "alpha": 32, "dropout": 0.0,
 MODE_GROUPS = {"ours": ["ours_dpo", "ours_rm"], "ours_8bit": ["ours_8bit_dpo", "ours_8bit_rm"],
                "ours_sr": ["ours_sr_dpo", "ours_sr_rm"], "ours_fused": ["ours_fused_dpo", "ours_fused_rm"],
                "ours_lora": ["ours_lora_dpo", "ours_lora_rm"],
-               "trl": ["trl_dpo_tuned", "trl_rm_tuned"], "trl_peft": ["trl_dpo_peft", "trl_rm_peft"]}
+               "trl": ["trl_dpo_tuned", "trl_rm_tuned"], "trl_peft": ["trl_dpo_peft", "trl_rm_peft"],
+               "trl_ckpt_peft": ["trl_dpo_ckpt_peft", "trl_rm_ckpt_peft"]}
 MODES = ["ours_dpo", "ours_rm", "ours_8bit_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_sr_rm", "ours_fused_dpo",
          "ours_fused_rm", "ours_lora_dpo", "ours_lora_rm", "trl_dpo_tuned", "trl_rm_tuned", "trl_dpo_peft",
-         "trl_rm_peft", "trl_dpo", "trl_rm"]
+         "trl_rm_peft", "trl_dpo_ckpt_peft", "trl_rm_ckpt_peft", "trl_dpo", "trl_rm"]
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
 
@@ -739,7 +742,9 @@ def summarize(result: dict, rows: list[dict]) -> None:
     for kind in ("dpo", "rm"):
         pairs = [(f"{f}_{kind}", f"trl_{kind}_tuned", "ratio_to_trl") for f in STATE_FAMILIES]
         pairs += [(f"{f}_{kind}", f"trl_{kind}", "ratio_to_trl_defaults") for f in STATE_FAMILIES]
-        pairs += [(f"ours_lora_{kind}", f"trl_{kind}_peft", "ratio_to_trl")]
+        # TRL+PEFT's fastest fit: without gradient checkpointing, else with it (out of memory without)
+        peft_fit = f"trl_{kind}_peft" if f"trl_{kind}_peft" in by else f"trl_{kind}_ckpt_peft"
+        pairs += [(f"ours_lora_{kind}", peft_fit, "ratio_to_trl")]
         for ours_name, trl_name, label in pairs:
             if ours_name in by and trl_name in by:
                 ratio = round(by[ours_name]["tokens_per_s"] / by[trl_name]["tokens_per_s"], 2)
