@@ -331,11 +331,27 @@ def test_dvc_repro_lock_agrees_metrics_diff_plots_diff_and_rerun_identical(tmp_p
 # verify: a reviewer checks someone else's bundle; tampered bundles are refused, naming the file
 # --------------------------------------------------------------------------------------------------
 
-def _verify(repo: Path, bundle: Path, *extra: str, workspace: bool = True) -> tuple[int, str]:
-    r = subprocess.run([sys.executable, "-m", "stages.report", "verify", str(bundle),
-                        *(["--workspace", str(repo)] if workspace else []), *extra],
-                       cwd=repo, env=_env(), capture_output=True, text=True)
-    return r.returncode, r.stdout + r.stderr
+def _verify(repo: Path, bundle: Path, *extra: str, workspace: bool = True, cli: bool = False) -> tuple[int, str]:
+    """`report verify` on `bundle` from `repo`: (exit status, output). In this process (the verdicts, the lines and
+    the status are main()'s), or with `cli`, as `python -m stages.report verify` in its own, as users run it: each
+    new process pays torch's and matplotlib's imports (~4 CPU-seconds), for ~30 verifies in this file."""
+    argv = ["verify", str(bundle), *(["--workspace", str(repo)] if workspace else []), *extra]
+    if cli:
+        r = subprocess.run([sys.executable, "-m", "stages.report", *argv], cwd=repo, env=_env(), capture_output=True,
+                           text=True)
+        return r.returncode, r.stdout + r.stderr
+    import contextlib
+    out, cwd = io.StringIO(), os.getcwd()
+    os.chdir(repo)
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            try:
+                rc = rp.main(argv)
+            except SystemExit as e:            # a refusal (stage_main's refuse): its status
+                rc = e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(cwd)
+    return rc, out.getvalue()
 
 
 def _rewrite(bundle: Path, out: Path, change, consistent: bool) -> Path:
@@ -371,7 +387,7 @@ def test_verify_accepts_a_genuine_bundle_and_names_every_tampered_file(tmp_path)
     rc, err = _report(repo, "o")
     assert rc == 0, err
     bundle = repo / "o/evidence.tar.gz"
-    rc, out = _verify(repo, bundle)
+    rc, out = _verify(repo, bundle, cli=True)
     assert rc == 0, out
     assert "MATCH    metrics/dpo.json: recomputed from" in out and "MATCH    metrics/rm.json" in out
     assert "MATCH    results/train_dpo/model: workspace md5" in out
@@ -516,7 +532,7 @@ def test_verify_refuses_consistent_forgeries_of_what_the_members_say(tmp_path):
         assert hashes and all(status == "MATCH" for status, _, _ in hashes), (name, hashes)    # a careful forger's
         out = "\n".join(verdicts.lines())
         assert expect in out and verdicts.failed, (name, out)
-    rc, out = _verify(repo, tmp_path / "summary.tar.gz", workspace=False)     # the CLI's verdict: exit 1
+    rc, out = _verify(repo, tmp_path / "summary.tar.gz", workspace=False, cli=True)     # the CLI's verdict: exit 1
     assert rc == 1 and " 1 differ," in out, out
 
 

@@ -5,7 +5,8 @@ One workspace is built once for this module: a fresh-clone copy of this checkout
 a trainer then costs seconds instead of a minute), run to its end with `snakemake --cores 2` and committed: that
 run's dvc.lock is the record. Each scenario breaks it the way users do and checks that the next run rebuilds or
 refuses naming the file, never reports success on wrong bytes, and leaves the record again: dvc.lock
-byte-identical, `dvc status` clean, `report verify --workspace .` passing. The scenarios run in file order on the
+byte-identical, `dvc status` clean, every recorded file read back with the bytes of the fixture's run (whose bundle
+`report verify --workspace .` passed: the same bytes verify alike, so it is run once). The scenarios run in file order on the
 one workspace (pytest-xdist's --dist loadfile keeps a file on one worker), each leaving it as it found it. That
 the uncapped default reproduces the committed dvc.lock is test_pipeline_e2e's golden check.
 """
@@ -29,6 +30,7 @@ pytestmark = pytest.mark.slow
 # The workspace's record: its committed run's dvc.lock and metrics (the fixture fills it).
 RECORD: dict[str, bytes] = {}
 RECORDED = ("dvc.lock", "metrics/generation.json")
+RECORD_FILES: dict[str, str] = {}       # every recorded output file's md5 (recorded_file_hashes)
 FAULTS_MAX_STEPS = 40       # a trainer still runs for seconds: long enough for the kills below to find it alive
 
 
@@ -41,6 +43,14 @@ def workspace(tmp_path_factory) -> Path:
     commit(repo, "the record the faults start from")
     RECORD.clear()
     RECORD.update({rel: (repo / rel).read_bytes() for rel in RECORDED})
+    RECORD_FILES.clear()
+    RECORD_FILES.update(recorded_file_hashes(repo))
+    # The bundle checked against the workspace once, here: each scenario then checks that every recorded file has
+    # these bytes again (assert_is_the_record), and the same bytes verify the same way (verify's own faults are
+    # test_a_bundle_with_an_extra_huge_member's and tests/evidence').
+    out = sh(sys.executable, "-m", "stages.report", "verify", "results/report/evidence.tar.gz", "--workspace", ".",
+             cwd=repo)
+    assert "DIFFERS" not in out, out
     assert_is_the_record(repo)
     return repo
 
@@ -50,13 +60,36 @@ def run(repo: Path, *cmd: str, timeout: int = 900) -> subprocess.CompletedProces
     return subprocess.run(cmd, cwd=repo, capture_output=True, text=True, env=env, timeout=timeout)
 
 
+def recorded_file_hashes(repo: Path) -> dict[str, str]:
+    """md5 of every file dvc.lock records an output of (each file of a directory output, but for what .dvcignore
+    keeps out of DVC's hash: Snakemake's .snakemake_timestamp markers, written by one tool and not the other), of
+    params.yaml and of dvc.yaml, read from the bytes now: not DVC's state db, which trusts size, mtime and inode
+    (issue 34 item 1)."""
+    import hashlib
+
+    import yaml
+    outs = [o["path"] for st in yaml.safe_load((repo / "dvc.lock").read_text())["stages"].values()
+            for o in st.get("outs", [])]
+    ignored = {line.strip() for line in (repo / ".dvcignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert ignored == {".snakemake_timestamp"}, f"a .dvcignore pattern this check does not follow: {ignored}"
+    files = ["params.yaml", "dvc.yaml"]
+    for rel in outs:
+        path = repo / rel
+        files += sorted(str(f.relative_to(repo)) for f in path.rglob("*") if f.is_file() and f.name not in ignored) \
+            if path.is_dir() else [rel]
+    return {rel: hashlib.md5((repo / rel).read_bytes()).hexdigest() if (repo / rel).is_file() else "missing"
+            for rel in files}
+
+
 def assert_is_the_record(repo: Path) -> None:
-    """The workspace is the committed record: same dvc.lock bytes, DVC agrees, the bundle verifies."""
+    """The workspace is the committed record: same dvc.lock bytes, DVC agrees, and every recorded output has the
+    bytes the fixture's run wrote and its bundle verification passed on."""
     assert (repo / "dvc.lock").read_bytes() == RECORD["dvc.lock"], "dvc.lock is not the record"
     assert dvc_changed_stages(repo) == set()
-    out = sh(sys.executable, "-m", "stages.report", "verify", "results/report/evidence.tar.gz", "--workspace", ".",
-             cwd=repo)
-    assert "DIFFERS" not in out, out
+    now = recorded_file_hashes(repo)
+    changed = sorted(rel for rel in now.keys() | RECORD_FILES.keys() if now.get(rel) != RECORD_FILES.get(rel))
+    assert not changed, f"not the record's bytes: {changed}"
 
 
 def flip_bit(path: Path, offset_fraction: float = 0.5) -> None:
