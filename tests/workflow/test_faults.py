@@ -5,10 +5,10 @@ One workspace is built once for this module: a fresh-clone copy of this checkout
 a trainer then costs seconds instead of a minute), run to its end with `snakemake --cores 2` and committed: that
 run's dvc.lock is the record. Each scenario breaks it the way users do and checks that the next run rebuilds or
 refuses naming the file, never reports success on wrong bytes, and leaves the record again: dvc.lock
-byte-identical, `dvc status` clean, every recorded file read back with the bytes of the fixture's run (whose bundle
-`report verify --workspace .` passed: the same bytes verify alike, so it is run once). The scenarios run in file order on the
-one workspace (pytest-xdist's --dist loadfile keeps a file on one worker), each leaving it as it found it. That
-the uncapped default reproduces the committed dvc.lock is test_pipeline_e2e's golden check.
+byte-identical, `dvc status` clean, every recorded file read back with the bytes of the fixture's run (whose
+bundle `report verify --workspace .` passed: the same bytes verify alike, so it is run once). The scenarios run in
+file order on the one workspace (pytest-xdist's --dist loadfile keeps a file on one worker), each leaving it as it
+found it. That the uncapped default reproduces the committed dvc.lock is test_pipeline_e2e's golden check.
 """
 from __future__ import annotations
 
