@@ -4,6 +4,7 @@ with the bundle's manifest, whose `dvc metrics diff` shows the changed numbers a
 `dvc plots diff` renders."""
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -340,7 +341,6 @@ def _verify(repo: Path, bundle: Path, *extra: str, workspace: bool = True, cli: 
         r = subprocess.run([sys.executable, "-m", "stages.report", *argv], cwd=repo, env=_env(), capture_output=True,
                            text=True)
         return r.returncode, r.stdout + r.stderr
-    import contextlib
     out, cwd = io.StringIO(), os.getcwd()
     os.chdir(repo)
     try:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from pipeline_helpers import (_descendants, _kill_when_running, _wait_for, cap_training_steps, commit,
-                              copy_checkout, dvc_changed_stages, sh)
+                              copy_checkout, dvc_changed_stages, lock_outs, sh)
 
 pytestmark = pytest.mark.slow
 
@@ -66,10 +66,7 @@ def recorded_file_hashes(repo: Path) -> dict[str, str]:
     params.yaml and of dvc.yaml, read from the bytes now: not DVC's state db, which trusts size, mtime and inode
     (issue 34 item 1)."""
     import hashlib
-
-    import yaml
-    outs = [o["path"] for st in yaml.safe_load((repo / "dvc.lock").read_text())["stages"].values()
-            for o in st.get("outs", [])]
+    outs = [key.split(":", 1)[1] for key in lock_outs((repo / "dvc.lock").read_text())]
     ignored = {line.strip() for line in (repo / ".dvcignore").read_text().splitlines()
                if line.strip() and not line.startswith("#")}
     assert ignored == {".snakemake_timestamp"}, f"a .dvcignore pattern this check does not follow: {ignored}"
