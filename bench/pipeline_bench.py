@@ -4,8 +4,7 @@ compute the training and reference passes themselves take.
     python bench/pipeline_bench.py --out bench/results/pipeline_h200.json            # the GPU run (issue 21)
     python bench/pipeline_bench.py --shape tiny --pairs 48 --probe-size 16 --set train.epochs=1 \
         --out /tmp/pipeline.json                                                      # CPU smoke test
-(the smoke test takes ~5 min on a 2-core CPU box, most of it the tiny shape's 151,936-token LM head: too slow
-for the test suite, so no test runs it.)
+(the smoke test takes minutes on a 2-core CPU box: too slow for the test suite, so no test runs it.)
 
 What runs: a copy of this checkout (tracked and untracked-but-not-ignored files; results/ and logs/ are not
 copied) in a temporary directory (--work to keep it), with params.yaml set for the run and nothing else

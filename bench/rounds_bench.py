@@ -47,7 +47,7 @@ the direction of that state, scaled on the model's own samples so that each samp
 1/--eos-every (default max_new_tokens / 2) at every step: completion lengths as a geometric law's, most ending
 before the cap. No shape changes, so no FLOP does. Both rows sample from this model; the stop reasons each saw are
 in the result.
-The policy samples ids over the shape's whole 151,936-row vocabulary, two thirds of them beyond GPT-2's 50,257:
+The policy samples ids over the shape's whole vocabulary (151,936 rows at the Qwen2.5 shapes: two thirds beyond GPT-2's 50,257):
 TRL's text round trip drops those before its reward model (tokenizers skip unknown ids), so its labeling reads
 fewer tokens than ours.
 
@@ -93,7 +93,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "mer
 NOTE = ("random-init policy and judge: the judge's labels, the pairs' chosen/rejected and the losses mean nothing; "
         "the figures are throughput only. The policy's last-layer v_proj bias and EOS row are set so that it samples "
         "EOS at a fixed rate a token (models.policy.eos; completions end as in a geometric law); its sampled ids "
-        "spread over the whole 151,936-row vocabulary")
+        "spread over the shape's whole vocabulary (151,936 rows at the Qwen2.5 shapes)")
 DIFFERENCES = [
     "TRL 1.16's OnlineDPOTrainer samples 2 completions a prompt (num_generations = 2, not an option); ours rounds.n",
     "TRL samples with transformers' generate inside each training step (--batch-pairs prompts, 2 rows each); ours "

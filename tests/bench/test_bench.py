@@ -158,8 +158,8 @@ def test_modes_expand_and_the_lora_mode_needs_the_adapter_param():
 @pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")
 def test_lora_reward_model_mode_runs_on_cpu(tmp_path):
     """`--modes ours_lora_rm` end to end on the tiny shape: the model made once (then reused from the cache),
-    the real train_rm stage under torchrun with train.adapter, its row and JSON. (The DPO modes cost the
-    tiny shape's 151,936-vocab LM head on CPU: minutes, not run here.)"""
+    the real train_rm stage under torchrun with train.adapter, its row and JSON. (The DPO modes add the
+    LM head over every position, on CPU: not run here.)"""
     from stages.lib.params import load_schema
     if "adapter" not in load_schema()["properties"]["train"]["properties"]:
         pytest.skip("train.adapter (issue 20 part 1) is not in this tree's params schema")
