@@ -229,6 +229,19 @@ class SlurmCluster:
                 texts.append(path.read_text(errors="replace")[-n:])
         return "\n".join(texts)
 
+    def wait_for_job(self, job_id: str, timeout: float) -> str:
+        """The job's final state (squeue keeps finished jobs: MinJobAge), polled every 0.5 s. `sbatch --wait` polls
+        with a growing interval: it returned up to 30 s after a 10 s job ended, the test idle meanwhile."""
+        ended = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
+                 "DEADLINE", "PREEMPTED")
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            state = self._run("squeue", "--states=all", "-h", "-j", job_id, "-o", "%T").stdout.strip()
+            if state in ended:
+                return state
+            time.sleep(0.5)
+        raise AssertionError(f"Slurm job {job_id} did not end in {timeout}s: {self.tail('slurmctld')}")
+
     def controller_log(self) -> str:
         path = self.run_dir / "slurmctld.log"
         return path.read_text(errors="replace") if path.exists() else ""

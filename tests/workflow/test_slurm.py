@@ -115,11 +115,13 @@ def test_two_node_training_under_srun_equals_one_process(slurm, tmp_path):
     stage = " ".join(stage_args(tmp_path, "--out-dir", tmp_path / "two", params))
     script = f"{torchrun_launch(1, nodes=2, rdzv_port=SLURM['rdzv_port'])} -m stages.train_rm -- {stage}"
     env = {**slurm.env, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    out = run(["sbatch", "--parsable", "--wait", f"--nodes={res['nodes']}", f"--ntasks={res['tasks']}",
+    out = run(["sbatch", "--parsable", f"--nodes={res['nodes']}", f"--ntasks={res['tasks']}",
                f"--cpus-per-task={res['cpus_per_task']}", f"--mem={res['mem_mb']}",
                "-D", str(REPO_ROOT), "-o", str(tmp_path / "job.out"), "--wrap", script],
-              cwd=REPO_ROOT, env=env, timeout=300)
+              cwd=REPO_ROOT, env=env, timeout=60)
     job_id = out.split()[0].split(";")[0]
+    state = slurm.wait_for_job(job_id, timeout=300)
+    assert state == "COMPLETED", f"{state}:\n{(tmp_path / 'job.out').read_text(errors='replace')[-4000:]}"
     # The controller placed it on both nodes ("sched: Allocate JobId=N NodeList=n[1-2]", or the backfill
     # scheduler's "Started JobId=N in test on n[1-2]") and saw it exit 0.
     log = slurm.controller_log()
