@@ -51,6 +51,19 @@ def test_max_length_over_the_references_positions_is_refused_naming_both_and_the
     assert load_limits({"max_length": 10**6, "max_prompt_length": 32, "truncation": "reject"}, tmp_path)  # no config
 
 
+_TOKENIZED: dict = {}
+
+
+def tokenized(tok, pairs: list[dict], limits: TokenizeLimits):
+    """tokenize_pairs(PairTokenizer(tok), pairs, limits, "train"), once per tokenizer, pairs and limits in this module:
+    the whole real HH file untruncated is every real-data test's reference, and tokenizing it is most of their time.
+    (The result is only read: a test that changed it would change the next one's reference.)"""
+    key = (id(tok), tuple(p["pair_id"] for p in pairs), limits)
+    if key not in _TOKENIZED:
+        _TOKENIZED[key] = tokenize_pairs(PairTokenizer(tok), pairs, limits, "train")
+    return _TOKENIZED[key]
+
+
 def _expected_reason(full_row: dict, limits: TokenizeLimits) -> str | None:
     prompt = max(full_row["chosen_prompt_len"], full_row["rejected_prompt_len"])
     if prompt > limits.max_prompt_length:
@@ -61,10 +74,9 @@ def _expected_reason(full_row: dict, limits: TokenizeLimits) -> str | None:
 
 
 def test_reject_policy_reason_codes(gpt2, hh_pairs):
-    pair_tok = PairTokenizer(gpt2)
-    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
+    full = {r["pair_id"]: r for r in tokenized(gpt2, hh_pairs, UNLIMITED).rows}
     limits = TokenizeLimits(max_length=160, max_prompt_length=100, truncation="reject")
-    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    result = tokenized(gpt2, hh_pairs, limits)
     expected = {pid: _expected_reason(r, limits) for pid, r in full.items()}
     got = {r["pair_id"]: r["reason"] for r in result.rejections}
     assert got == {pid: reason for pid, reason in expected.items() if reason}
@@ -77,10 +89,9 @@ def test_reject_policy_reason_codes(gpt2, hh_pairs):
 
 
 def test_truncate_completion_policy(gpt2, hh_pairs):
-    pair_tok = PairTokenizer(gpt2)
-    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
+    full = {r["pair_id"]: r for r in tokenized(gpt2, hh_pairs, UNLIMITED).rows}
     limits = TokenizeLimits(max_length=160, max_prompt_length=100, truncation="truncate_completion")
-    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    result = tokenized(gpt2, hh_pairs, limits)
     reasons = {pid: _expected_reason(r, limits) for pid, r in full.items()}
     assert {r["pair_id"]: r["reason"] for r in result.rejections} == {
         pid: "prompt_too_long" for pid, reason in reasons.items() if reason == "prompt_too_long"}
@@ -139,8 +150,8 @@ def test_keep_end_on_real_hh_rows_longer_than_the_limits(request, hh_pairs, toke
     is exactly the tokenization of the kept conversation; what cannot fit is a reason-coded rejection."""
     tok = request.getfixturevalue(tokenizer)
     pair_tok = PairTokenizer(tok)
-    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
-    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    full = {r["pair_id"]: r for r in tokenized(tok, hh_pairs, UNLIMITED).rows}
+    result = tokenized(tok, hh_pairs, limits)
     over = {pid for pid, r in full.items() if _expected_reason(r, limits)}
     records = {t["pair_id"]: t for t in result.truncations}
     rejected = {r["pair_id"]: r for r in result.rejections}
@@ -332,10 +343,9 @@ def test_keep_end_then_completion_keeps_the_pairs_keep_end_rejects(request, hh_p
     prompt tokens. Before: no such mode (tokenize.truncation refused it)."""
     tok = request.getfixturevalue(tokenizer)
     pair_tok = PairTokenizer(tok)
-    full = {r["pair_id"]: r for r in tokenize_pairs(pair_tok, hh_pairs, UNLIMITED, "train").rows}
-    keep_end = tokenize_pairs(pair_tok, hh_pairs, TokenizeLimits(limits.max_length, limits.max_prompt_length,
-                                                                  "keep_end"), "train")
-    result = tokenize_pairs(pair_tok, hh_pairs, limits, "train")
+    full = {r["pair_id"]: r for r in tokenized(tok, hh_pairs, UNLIMITED).rows}
+    keep_end = tokenized(tok, hh_pairs, TokenizeLimits(limits.max_length, limits.max_prompt_length, "keep_end"))
+    result = tokenized(tok, hh_pairs, limits)
     assert {r["reason"] for r in keep_end.rejections} == {"sequence_too_long"} and result.rejections == []
     records = {t["pair_id"]: t for t in result.truncations}
     assert set(records) == {pid for pid, r in full.items() if _expected_reason(r, limits)}
