@@ -40,3 +40,10 @@ def test_a_key_without_a_description_or_a_stale_document_fails_the_check_naming_
     err = capsys.readouterr().err
     assert "train.lr has no description" in err and "PARAMS.md is stale" in err
     assert sync_params_doc.main([]) == 1 and "train.lr" in capsys.readouterr().err    # nothing written without it
+
+
+def test_the_schema_reads_the_same_with_libyaml_as_with_pure_python():
+    """load_schema parses with libyaml where PyYAML has it (every process reads the schema): the same dict as
+    PyYAML's pure-Python SafeLoader gives, so no key, default or enum depends on which parser a machine has."""
+    from stages.lib.params import SCHEMA_PATH, load_schema
+    assert load_schema() == yaml.safe_load(SCHEMA_PATH.read_text(encoding="utf-8"))
