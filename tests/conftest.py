@@ -89,7 +89,6 @@ SLOW_TEST_COST_S, TEST_COST_S = 60, 1
 MEASURED_COST_S = {
     "tests/workflow/test_faults.py": 435,
     "tests/workflow/test_rounds_e2e.py": 300,
-    "tests/workflow/test_readme_real_data.py": 275,
     "tests/workflow/test_dvc_compare.py": 215,
     "tests/bench/test_bench.py": 140,
     "tests/engine/test_checkpoint.py": 125,
@@ -105,13 +104,13 @@ MEASURED_COST_S = {
     "tests/engine/test_lora.py": 60,
     "tests/engine/test_kernels.py": 60,
 }
-# test_slurm goes first, whatever it costs (~300 s): its worker idles between the Slurm plugin's status checks (a
-# core free for minutes), so it runs beside test_faults' build, a `snakemake --cores 2` whose parallel stages take
-# that core. Its quick tests leave it two pending at once, so its worker takes test_rounds_e2e next, which builds the
-# session's finished default run (its first user) while the other worker is still in test_faults (which builds its
-# own): neither waits for the other. (Before: rounds, then slurm beside test_faults' one-core scenarios: ~1.5 of 2
-# cores busy for those five minutes.)
-FIRST = "tests/workflow/test_slurm.py"
+# Two files go first, whatever they cost. test_slurm's worker idles between the Slurm plugin's status checks (a core
+# free for minutes), so it runs beside test_readme_real_data, a `snakemake --cores 2` whose training stages run two at
+# a time for two minutes and take that core. (Before: rounds then slurm, beside test_faults' one-core scenarios:
+# ~1.5 of 2 cores busy for those five minutes.) xdist gives a worker its next file once two of its tests are left,
+# at once for those two files: test_slurm's worker takes test_rounds_e2e, which builds the session's finished default
+# run (its first user), and the other takes test_faults, which builds its own: neither waits for the other.
+FIRST = ("tests/workflow/test_slurm.py", "tests/workflow/test_readme_real_data.py")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -123,5 +122,5 @@ def pytest_collection_modifyitems(config, items):
         cost[path] = cost.get(path, 0) + (SLOW_TEST_COST_S if item.get_closest_marker("slow") else TEST_COST_S)
         first_seen.setdefault(path, i)
     for path in cost:
-        cost[path] = 10**6 if path == FIRST else MEASURED_COST_S.get(path, cost[path])
+        cost[path] = 10**6 - FIRST.index(path) if path in FIRST else MEASURED_COST_S.get(path, cost[path])
     items.sort(key=lambda item: (-cost[file_of[item]], first_seen[file_of[item]]))
