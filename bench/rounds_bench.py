@@ -47,9 +47,9 @@ the direction of that state, scaled on the model's own samples so that each samp
 1/--eos-every (default max_new_tokens / 2) at every step: completion lengths as a geometric law's, most ending
 before the cap. No shape changes, so no FLOP does. Both rows sample from this model; the stop reasons each saw are
 in the result.
-The policy samples ids over the shape's whole vocabulary (151,936 rows at the Qwen2.5 shapes: two thirds beyond GPT-2's 50,257):
-TRL's text round trip drops those before its reward model (tokenizers skip unknown ids), so its labeling reads
-fewer tokens than ours.
+The policy samples ids over the shape's whole vocabulary (151,936 rows at the Qwen2.5 shapes: two thirds beyond
+GPT-2's 50,257): TRL's text round trip drops those before its reward model (tokenizers skip unknown ids), so its
+labeling reads fewer tokens than ours.
 
 Prompts: the first --prompts HH-RLHF rows (../shared/data/hh-rlhf/harmless-base-test.jsonl.gz) made into token
 pairs by gpu_bench.prepare_tokens (our normalize and tokenize code, GPT-2, truncate_completion at --max-length),
