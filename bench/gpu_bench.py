@@ -11,10 +11,14 @@ Modes (--modes, comma-separated; a group name expands to its rows, in this order
   trl_peft   = trl_dpo_peft, trl_rm_peft    the same + peft LoraConfig with LORA's r / alpha / dropout / targets
   trl_ckpt_peft = trl_dpo_ckpt_peft, trl_rm_ckpt_peft   trl_peft with TRL's default gradient checkpointing: its fit
                where trl_peft runs out of memory (14B on 80 GB); ours_lora's ratio is to trl_peft, else to this
+  trl_liger  = trl_dpo_liger                 trl_dpo_tuned + use_liger_kernel (and padding_free, which TRL 1.16's
+                                            DPOTrainer turns off): TRL's best full DPO, needs liger-kernel in --trl-site
   also trl_dpo, trl_rm                      TRL defaults (gradient checkpointing on; trl_dpo: live reference)
+       trl_dpo_ckpt_liger                   trl_dpo_liger with gradient checkpointing: its fit at 7B on 80 GB
 The trl rows run ../shared/bench/trl_anchor.py (patched to --shape / --max-length / --concat) when the shape is
 one the anchor's config can express (tied embeddings, 2 KV heads, vocab 151,936), else bench/trl_peft_runner.py
-(the anchor's TRL settings on our model directory); the peft rows always run the runner.
+(the anchor's TRL settings on our model directory); the peft and liger rows always run the runner. Each full DPO
+family's ratio_to_trl_best is to the fastest TRL full DPO row that ran in the same invocation.
 
 Workload (the anchor's): a random-init Qwen2.5-shape model (GPT-2 tokenizer; vocab and tied embeddings per
 shape), the first N HH-RLHF harmless pairs, 8 pairs per optimizer step, max_length 1024, bf16, one epoch. Ours
@@ -140,10 +144,11 @@ MODE_GROUPS = {"ours": ["ours_dpo", "ours_rm"], "ours_8bit": ["ours_8bit_dpo", "
                "ours_sr": ["ours_sr_dpo", "ours_sr_rm"], "ours_fused": ["ours_fused_dpo", "ours_fused_rm"],
                "ours_lora": ["ours_lora_dpo", "ours_lora_rm"],
                "trl": ["trl_dpo_tuned", "trl_rm_tuned"], "trl_peft": ["trl_dpo_peft", "trl_rm_peft"],
-               "trl_ckpt_peft": ["trl_dpo_ckpt_peft", "trl_rm_ckpt_peft"]}
+               "trl_ckpt_peft": ["trl_dpo_ckpt_peft", "trl_rm_ckpt_peft"], "trl_liger": ["trl_dpo_liger"]}
 MODES = ["ours_dpo", "ours_rm", "ours_8bit_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_sr_rm", "ours_fused_dpo",
          "ours_fused_rm", "ours_lora_dpo", "ours_lora_rm", "trl_dpo_tuned", "trl_rm_tuned", "trl_dpo_peft",
-         "trl_rm_peft", "trl_dpo_ckpt_peft", "trl_rm_ckpt_peft", "trl_dpo", "trl_rm"]
+         "trl_rm_peft", "trl_dpo_ckpt_peft", "trl_rm_ckpt_peft", "trl_dpo_liger", "trl_dpo_ckpt_liger", "trl_dpo",
+         "trl_rm"]
 NCCL_SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 OOM_MARKERS = ("CUDA out of memory", "OutOfMemoryError", "CUBLAS_STATUS_ALLOC_FAILED", "CUDA error: out of memory")
 
@@ -716,7 +721,7 @@ def main(argv=None) -> None:
         trl_mode = mode[len("trl_"):]
         objective = "dpo" if trl_mode.startswith("dpo") else "rm"
         try:
-            if trl_mode.endswith("_peft") or not anchor_expresses(args.shape) and not args.trl_script:
+            if trl_mode.endswith(("_peft", "_liger")) or not anchor_expresses(args.shape) and not args.trl_script:
                 t = run_trl_runner(trl_mode, args.pairs, model_dir, work / "trl_train.jsonl.gz", gpt2, args.max_length,
                                    args.trl_site, logs)
             else:
@@ -754,6 +759,15 @@ def summarize(result: dict, rows: list[dict]) -> None:
                 result[f"ratio_{ours_name[len('ours_'):]}{suffix}"] = ratio
                 by[ours_name][label] = ratio
                 by[trl_name].setdefault("ratio_to_trl", 1.0)
+        # TRL's best full fine-tune of this objective in this invocation (defaults, tuned, Liger; not PEFT)
+        trl_full = [r for m, r in by.items() if m.startswith(f"trl_{kind}") and "_peft" not in m]
+        if trl_full:
+            best = max(trl_full, key=lambda r: r["tokens_per_s"])
+            result[f"trl_{kind}_best"] = best["mode"]
+            for f in STATE_FAMILIES:
+                if f"{f}_{kind}" in by:
+                    ratio = round(by[f"{f}_{kind}"]["tokens_per_s"] / best["tokens_per_s"], 2)
+                    by[f"{f}_{kind}"]["ratio_to_trl_best"] = result[f"ratio_{f}_{kind}_to_trl_best"] = ratio
         if f"ours_{kind}" in by:
             result[f"mfu_{kind}"] = by[f"ours_{kind}"]["mfu"]
         exact = by.get(f"ours_{kind}")
@@ -770,13 +784,13 @@ def summarize(result: dict, rows: list[dict]) -> None:
 def print_table(result: dict) -> None:
     rows = result["table"]
     cols = ["mode", "status", "seconds", "tokens", "tokens_per_s", "pairs_per_s", "ratio_to_trl",
-            "ratio_to_trl_defaults", "mfu", "mfu_hw", "peak_mem_gib", "planned_peak_gib", "device_peak_gib",
+            "ratio_to_trl_defaults", "ratio_to_trl_best", "mfu", "mfu_hw", "peak_mem_gib", "planned_peak_gib", "device_peak_gib",
             "probe_accuracy", "final_train_loss"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio_", "mfu_", "accuracy_vs_exact"))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio_", "mfu_", "accuracy_vs_exact", "trl_"))
                       or k in ("gpu", "matmul_peak_tflops", "model")}))
 
 
@@ -823,7 +837,7 @@ def expected_seconds(shape: str, modes: list[str], pairs: int, tokens_per_pair: 
             export = 0 if fam == "ours_lora" else 4 * billions
             out[m] = round(stages * per_stage + export + tokens / rate * (1.33 if m.endswith("_dpo") else 1))
         else:
-            key = "trl_peft" if m.endswith("_peft") else "trl" if m.endswith("_tuned") else "trl_default"
+            key = "trl_peft" if m.endswith("_peft") else "trl" if m.endswith(("_tuned", "_liger")) else "trl_default"
             out[m] = round(30 + 6 * billions + tokens / (RATE_PER_BPARAM[key] / billions))
     return out
 

@@ -45,6 +45,8 @@ def main(argv=None) -> None:
     ap.add_argument("--profile-start", type=int, default=10, help="first optimizer step of the steady window")
     ap.add_argument("--profile-steps", type=int, default=6)
     ap.add_argument("--work", default="/tmp/prefpipe_profile")
+    ap.add_argument("--model-cache", help="gpu_bench's model cache: the random-init model made once and reused "
+                    "(default: --work, made again)")
     args = ap.parse_args(argv)
 
     import torch
@@ -60,7 +62,8 @@ def main(argv=None) -> None:
               "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__}
     result["workload"] = gpu_bench.prepare_tokens(shared / "data/hh-rlhf/harmless-base-test.jsonl.gz", gpt2,
                                                   args.pairs, args.probe_pairs, 1024, work)
-    model_dir, _ = gpu_bench.make_model(args.shape, gpt2, work)
+    cache = Path(args.model_cache) if args.model_cache else work
+    model_dir, result["model"] = gpu_bench.make_model(args.shape, gpt2, cache)
     base = yaml.safe_load((REPO / "params.yaml").read_text())
     common = {"train.gpus": 1 if cuda else 0, "train.epochs": 1, "train.global_batch_pairs": 8, "train.lr": 5e-7,
               "train.warmup_ratio": 0.0, "train.micro_batch_tokens": 16384, "tokenize.max_length": 1024,

@@ -21,6 +21,14 @@ Modes (gradient checkpointing off in all but the TRL-default ones, as the anchor
              full beside the adapters, as ours)
   dpo_ckpt_peft, rm_ckpt_peft: dpo_peft / rm_peft with TRL's default gradient checkpointing on: TRL+PEFT's
              fit where the *_peft modes run out of memory (Qwen2.5-14B at 1024 tokens, batch 8, on an 80 GB H100)
+  dpo_liger  dpo_tuned + use_liger_kernel=True: TRL's best full DPO (issue 38). TRL 1.16's DPOTrainer already
+             computes log-probs through its own chunked, fused LM head (no full logits) and applies only Liger's
+             layer kernels (RMSNorm, SwiGLU, RoPE; it refuses Liger's fused linear cross-entropy). padding_free is
+             asked for too: TRL 1.16's DPOTrainer turns it off with a warning ("temporarily unavailable after a
+             refactor"), and the JSON records what the trainer kept (padding_free_effective).
+  dpo_ckpt_liger  dpo_liger with gradient checkpointing on: its fit where dpo_liger runs out of memory (7B, 80 GB)
+The liger modes fail (exit 3) when no Liger kernel was applied to the model: a row named TRL+Liger that ran
+without Liger would be a wrong baseline, not a slow one.
 The timer is TRL's own train() (on_train_begin .. on_train_end): dpo_*'s precompute runs inside it.
 Prints one JSON line: the anchor's keys (counted_tokens: the anchor's count over all N rows) plus trained_pairs /
 trained_tokens (what TRL really trained, from its tokenized dataset: RewardTrainer drops pairs over max_length),
@@ -34,7 +42,8 @@ import json
 import tempfile
 import time
 
-MODES = ("dpo", "dpo_tuned", "dpo_peft", "dpo_ckpt_peft", "rm", "rm_tuned", "rm_peft", "rm_ckpt_peft")
+MODES = ("dpo", "dpo_tuned", "dpo_peft", "dpo_ckpt_peft", "dpo_liger", "dpo_ckpt_liger", "rm", "rm_tuned", "rm_peft",
+         "rm_ckpt_peft")
 LORA_TARGETS = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 
 
@@ -45,6 +54,24 @@ def lora_config(mode: str, r: int, alpha: int, dropout: float, targets: list[str
                           task_type="CAUSAL_LM")
     return LoraConfig(r=r, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, bias="none",
                       task_type="SEQ_CLS", modules_to_save=["score"])
+
+
+def liger_kernels_applied(model) -> dict:
+    """Which Liger kernels the model runs after Trainer applied them (at train()'s start): modules whose forward is
+    Liger's RMSNorm / SwiGLU, and whether Qwen2's rotary function is Liger's. Empty counts without liger-kernel."""
+    try:
+        from liger_kernel.transformers.rms_norm import LigerRMSNorm
+        from liger_kernel.transformers.swiglu import LigerSwiGLUMLP
+        from liger_kernel.transformers.rope import liger_rotary_pos_emb
+    except ImportError:
+        return {"rms_norm": 0, "swiglu": 0, "rope": False, "liger_kernel": None}
+    from transformers.models.qwen2 import modeling_qwen2
+    import liger_kernel
+    funcs = [getattr(getattr(m, "forward", None), "__func__", None) for m in model.modules()]
+    return {"rms_norm": sum(f is LigerRMSNorm.forward for f in funcs),
+            "swiglu": sum(f is LigerSwiGLUMLP.forward for f in funcs),
+            "rope": modeling_qwen2.apply_rotary_pos_emb is liger_rotary_pos_emb,
+            "liger_kernel": getattr(liger_kernel, "__version__", None)}
 
 
 def trained_workload(dataset, mode: str, max_length: int) -> tuple[int, int]:
@@ -108,6 +135,8 @@ def main(argv=None) -> None:
         t_loaded = time.time()
         extra = (dict(precompute_ref_log_probs=True, gradient_checkpointing="_ckpt" in mode) if mode != "dpo"
                  else {})
+        if mode.endswith("_liger"):
+            extra.update(use_liger_kernel=True, padding_free=True)
         cfg = DPOConfig(learning_rate=5e-7, beta=0.1, **common, **extra)
         tr = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[timer],
                         peft_config=peft_config)
@@ -125,6 +154,10 @@ def main(argv=None) -> None:
     tr.train()
     if cuda:
         torch.cuda.synchronize()
+    liger = liger_kernels_applied(tr.model) if mode.endswith("_liger") else None
+    if liger is not None and not (liger["rms_norm"] and liger["swiglu"] and liger["rope"]):
+        print(json.dumps({"mode": mode, "error": "Liger kernels were not applied", "liger": liger}))
+        raise SystemExit(3)
     hist = tr.state.log_history
     ntok = max([h.get("num_tokens", 0) for h in hist] or [0])
     # the anchor's independent count: chosen + rejected tokens (+ EOS), each truncated to max_length
@@ -142,6 +175,7 @@ def main(argv=None) -> None:
         "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1) if cuda else None,
         "peak_reserved_gib": round(torch.cuda.max_memory_reserved() / 2**30, 1) if cuda else None,
         "trainable_parameters": trainable,
+        "liger": liger, "padding_free_effective": getattr(tr, "padding_free", None) if mode.startswith("dpo") else None,
         "lora": ({"r": args.lora_r, "alpha": args.lora_alpha, "dropout": args.lora_dropout, "target_modules": targets}
                  if peft else None),
         "last_log": hist[-2] if len(hist) > 1 else hist}))

@@ -176,6 +176,7 @@ def check_flat_adamw(device: str = "cpu") -> None:
     step with a changing learning rate and an active clip; a parameter without gradient stays untouched; the
     optimizer state_dict it leaves continues as MasterWeightAdamW's own."""
     from stages.engine.flat_adamw import FlatMasterAdamW
+    from stages.engine.modeling import _ADDS_INTO_GRAD
     from stages.engine.dist import DistEnv
     from stages.engine.optim import MasterWeightAdamW, build_optimizer, total_grad_norm
     from stages.engine.steps import graphed_optimizer_step
@@ -257,6 +258,9 @@ def check_flat_adamw(device: str = "cpu") -> None:
         used = [p for n, p in m.named_parameters() if not n.startswith("unused")]
         assert all(p.grad is not None and p.grad.abs().sum() == 0 for p in used)
         assert all(p.grad is None for p in m["unused"].parameters())
+        # the flat gradient's views are marked: a GroupedLinear weight GEMM adds into them (modeling.py)
+        assert all(getattr(p, _ADDS_INTO_GRAD, False) for p in used)
+        assert not any(hasattr(p, _ADDS_INTO_GRAD) for p in m["unused"].parameters())
         compare(opts[0], opts[1])
     for p, before in zip(models[1]["unused"].parameters(), unused_before):
         assert torch.equal(p, before)
@@ -273,6 +277,7 @@ def check_flat_adamw(device: str = "cpu") -> None:
     # the flat run's state_dict continues as MasterWeightAdamW's own step
     flat.release()
     assert all(p.grad is None for p in models[1].parameters())
+    assert not any(hasattr(p, _ADDS_INTO_GRAD) for p in models[1].parameters())      # unmarked with its buffer
     models[2].load_state_dict(models[1].state_dict())
     opts[2].load_state_dict(opts[1].state_dict())
     run(models[2], torch.randn(5, 8, dtype=torch.bfloat16, device=device)).float().square().mean().backward()

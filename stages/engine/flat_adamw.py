@@ -29,6 +29,7 @@ import time
 import torch
 
 from stages.engine import kernels
+from stages.engine.modeling import mark_grad_accumulators
 
 ALIGN = 128            # each group's range starts at, and spans, a multiple of this (aligned vector loads)
 ADAM_BLOCK = 2048
@@ -129,6 +130,8 @@ class FlatMasterAdamW:
         for p, m, o, n in entries:
             self.grad[o:o + n].copy_(p.grad.reshape(-1))
             p.grad = self.grad[o:o + n].view_as(p)      # backward accumulates in place into this view
+        # ... and the weight GEMMs add straight into it (modeling.GroupedLinear): nothing hooks AccumulateGrad here
+        mark_grad_accumulators([p for p, _, _, _ in entries], True)
         release_freed_memory(p0.device)
         self.master = torch.zeros(offset, dtype=torch.float32, device=m0.device)
         for p, m, o, n in entries:
@@ -170,6 +173,7 @@ class FlatMasterAdamW:
     def release(self) -> None:
         """Drop the gradient views and the flat gradient (the parameters, masters and moments stay views)."""
         opt = self.optimizer
+        mark_grad_accumulators(opt.model_params, False)
         for p in opt.model_params:
             p.grad = None
         self.grad = None
@@ -290,6 +294,7 @@ class FlatLowBitAdamW:
 
         self.param = migrate(p0.dtype, lambda p, t: p, set_data)
         self.grad = migrate(p0.dtype, lambda p, t: p.grad, set_grad)
+        mark_grad_accumulators([p for p, _, _, _ in entries], True)      # as FlatMasterAdamW._build
         self.master = migrate(torch.float32, lambda p, t: t, lambda p, t, v: setattr(t, "data", v.view_as(t))) \
             if masters else self.param
         self.step_count = opt.step_count
@@ -375,6 +380,7 @@ class FlatLowBitAdamW:
         return time.perf_counter() - t0
 
     def release(self) -> None:
+        mark_grad_accumulators(self.optimizer.model_params, False)
         for p in self.optimizer.model_params:
             p.grad = None
         self.grad = None

@@ -191,11 +191,48 @@ def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (rows, *first.shape[1:]))
 
 
+# Marks a parameter whose .grad is a persistent accumulator that nothing hooks: flat_adamw's flat gradient under the
+# CUDA-graph step (one process; the optimizer kernel zeroes it after each step). GroupedLinear's backward adds such a
+# weight's gradient into .grad inside its GEMM (C += dy^T x, cuBLAS beta = 1) and hands autograd no gradient for it,
+# so AccumulateGrad's separate add (reading .grad and the new gradient, writing .grad: three sweeps of the weights)
+# and the new gradient's own write go away. At 7B on an H100 those adds were ~14 ms of a ~220 ms step (339 adds a
+# step, bench/results/h100_issue38_<commit>/). DDP, FSDP2 and fused_backward hook AccumulateGrad, and an eager step
+# sets .grad to None between steps: only the flat graph step marks parameters (mark_grad_accumulators).
+_ADDS_INTO_GRAD = "_prefpipe_backward_adds_into_grad"
+
+
+def mark_grad_accumulators(params, on: bool) -> int:
+    """Mark (on) or unmark these parameters as persistent .grad accumulators (above) -> how many changed."""
+    n = 0
+    for p in params:
+        if on and not getattr(p, _ADDS_INTO_GRAD, False):
+            setattr(p, _ADDS_INTO_GRAD, True)
+            n += 1
+        elif not on and hasattr(p, _ADDS_INTO_GRAD):
+            delattr(p, _ADDS_INTO_GRAD)
+            n += 1
+    return n
+
+
+def _grad_accumulator(weights) -> torch.Tensor | None:
+    """The weights' .grad as one [rows, in] tensor to add into in place: every weight marked, its .grad a tensor
+    of its own dtype and shape, all back to back in one storage (adjacent_rows); else None (autograd adds)."""
+    grads = []
+    for w in weights:
+        g = w.grad
+        if not getattr(w, _ADDS_INTO_GRAD, False) or g is None or g.dtype != w.dtype or g.shape != w.shape:
+            return None
+        grads.append(g)
+    return adjacent_rows(grads)
+
+
 class GroupedLinear(torch.autograd.Function):
     """x @ cat(W_1..W_n).T + cat(b_1..b_n): n Linear layers that read the same input as ONE GEMM forward and
     one each for the input and weight gradients backward (instead of n each, plus n - 1 adds summing the
     input's gradient and n bias reductions). The weights are concatenated without a copy when adjacent
-    (adjacent_rows), else with one. Same math as the separate layers; the GEMM's blocking may differ."""
+    (adjacent_rows), else with one. Same math as the separate layers; the GEMM's blocking may differ. Weights
+    marked as gradient accumulators (mark_grad_accumulators) get their gradient added into .grad by the weight
+    GEMM itself (one rounding to the gradient's dtype instead of two when .grad already holds a sum)."""
 
     @staticmethod
     def forward(ctx, x, n_weights: int, *params):
@@ -207,6 +244,7 @@ class GroupedLinear(torch.autograd.Function):
             b = adjacent_rows(list(biases))
             b = torch.cat(biases) if b is None else b
         ctx.save_for_backward(x, w)
+        ctx.weights = weights           # the leaf parameters themselves: their .grad is where a marked one adds
         ctx.splits = [t.shape[0] for t in weights]
         ctx.has_bias = bool(biases)
         return F.linear(x, w, b)
@@ -217,8 +255,14 @@ class GroupedLinear(torch.autograd.Function):
         dy2 = dy.reshape(-1, dy.shape[-1])
         dx = dy.matmul(w) if ctx.needs_input_grad[0] else None
         n = len(ctx.splits)             # frozen weights (LoRA's base layers) need no weight gradient
-        dw = (dy2.t().matmul(x.reshape(-1, x.shape[-1])).split(ctx.splits) if any(ctx.needs_input_grad[2:2 + n])
-              else (None,) * n)
+        dw = (None,) * n
+        if any(ctx.needs_input_grad[2:2 + n]):
+            x2 = x.reshape(-1, x.shape[-1])
+            acc = _grad_accumulator(ctx.weights) if all(ctx.needs_input_grad[2:2 + n]) else None
+            if acc is not None:
+                acc.addmm_(dy2.t(), x2)         # .grad += dy^T x in the GEMM; autograd gets None: nothing to add
+            else:
+                dw = dy2.t().matmul(x2).split(ctx.splits)
         db = dy2.sum(0).split(ctx.splits) if ctx.has_bias else ()
         return (dx, None, *dw, *db)
 
@@ -259,6 +303,15 @@ def grouped_linear(x: torch.Tensor, layers: list[nn.Linear]) -> torch.Tensor:
     if biases and len(biases) != len(layers):
         raise ValueError("grouped_linear: either every layer has a bias or none")
     return GroupedLinear.apply(x, len(layers), *(m.weight for m in layers), *biases)
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """An attention's o_proj or an MLP's down_proj on the fused path: a one-weight GroupedLinear (the same GEMMs as
+    F.linear), so a marked weight's gradient is added into .grad in its GEMM; F.linear elsewhere (bit-identical to
+    nn.Linear's forward)."""
+    if _fusable_projection_input(x, [self]):
+        return GroupedLinear.apply(x, 1, self.weight, *([self.bias] if self.bias is not None else []))
+    return F.linear(x, self.weight, self.bias)
 
 
 def _fusable_projection_input(x: torch.Tensor, layers: list[nn.Linear]) -> bool:
@@ -362,6 +415,8 @@ def use_fused_kernels(model: nn.Module) -> dict:
                 and all(hasattr(m, a) for a in ("gate_proj", "up_proj", "down_proj"))):
             m.forward = types.MethodType(_fused_mlp_forward, m)
             counts["silu_mul"] += 1
+            if type(m.down_proj) is nn.Linear:
+                m.down_proj.forward = types.MethodType(_linear_forward, m.down_proj)
         elif name in ROTARY_ATTENTIONS:
             hf_module = sys.modules[type(m).__module__]
             current = getattr(hf_module, "apply_rotary_pos_emb", None)
@@ -374,6 +429,8 @@ def use_fused_kernels(model: nn.Module) -> dict:
             if all(type(x) is nn.Linear for x in projections) and len({x.in_features for x in projections}) == 1:
                 _QKVProjection(*projections).install()
                 counts["qkv_gemm"] += 1
+            if type(getattr(m, "o_proj", None)) is nn.Linear:
+                m.o_proj.forward = types.MethodType(_linear_forward, m.o_proj)
     return counts
 
 

@@ -78,7 +78,24 @@ def pad_packed_batch(batch: PackedBatch, shape: BatchDims) -> PackedBatch:
     )
 
 
-def plan_padded_shapes(dims: list[BatchDims], max_shapes: int, logp_weight: float, capture_cost_batches: float = 4.0,
+# What a capture costs, in average micro-batches of work (plan_padded_shapes' capture_cost_batches): about one eager
+# step of host time, which grows with the kernels a step launches (~ its layers), against a replayed batch's GPU time,
+# which grows with its FLOPs (~ the parameters). 4 batches was measured at the 0.5B shape (24 layers, 494M
+# parameters: bench/results/h200.json); at 7B (28 layers, 7.6B) a capture took ~0.11 s against a ~0.2 s step (~0.5
+# batch, bench/results/h100_issue38_<commit>/), where 4 padded 512 HH pairs to 3 shapes, 19.5% padding tokens (8 shapes:
+# 5.2%). Scaled by parameters a layer, never above the 0.5B figure (smaller models stay as they were).
+CAPTURE_COST_BATCHES = 4.0
+CAPTURE_COST_PARAMS_PER_LAYER = 494_032_768 / 24
+
+
+def capture_cost_batches(n_params: int, layers: int) -> float:
+    """A capture's cost in micro-batches for a model of n_params parameters in `layers` layers (above)."""
+    per_layer = n_params / max(1, layers)
+    return min(CAPTURE_COST_BATCHES, CAPTURE_COST_BATCHES * CAPTURE_COST_PARAMS_PER_LAYER / max(1.0, per_layer))
+
+
+def plan_padded_shapes(dims: list[BatchDims], max_shapes: int, logp_weight: float,
+                       capture_cost_batches: float = CAPTURE_COST_BATCHES,
                        max_distinct: int = 1024) -> tuple[list[BatchDims], list[int]]:
     """Group a run's micro-batches into at most `max_shapes` padded shapes -> (shapes, shape of each batch).
 
@@ -87,8 +104,9 @@ def plan_padded_shapes(dims: list[BatchDims], max_shapes: int, logp_weight: floa
     grouping with the least padded work, work = tokens + logp_weight * log-prob tokens (logp_weight: the
     LM head's cost per log-prob token relative to the body's per token), and charges every shape
     `capture_cost_batches` average micro-batches of work (a capture takes about one eager step of host
-    time, several replayed steps on a launch-bound model: bench/results/h200.json), so a short run
-    captures fewer shapes than a long one. Pure and deterministic: every rerun pads the same way.
+    time, several replayed steps on a launch-bound model: bench/results/h200.json; less than one at 7B:
+    capture_cost_batches()), so a short run captures fewer shapes than a long one. Pure and deterministic: every
+    rerun pads the same way.
     """
     if not dims:
         return [], []

@@ -47,7 +47,7 @@ from stages.engine.optim import (FusedBackwardStep, MasterWeightAdamW, adamw_ste
                                  total_grad_norm)
 from stages.engine.settings import TrainSettings
 from stages.engine.packing import MicroBatch, PackedBatch, TokenPairs
-from stages.engine.padded_shapes import batch_dims, plan_padded_shapes, shared_prompt_flags
+from stages.engine.padded_shapes import batch_dims, capture_cost_batches, plan_padded_shapes, shared_prompt_flags
 
 
 def forward_backward(model: nn.Module, objective, settings: TrainSettings, env: DistEnv, batch: PackedBatch,
@@ -201,7 +201,9 @@ class GraphedSteps:
         logp_weight = head.weight.numel() / max(1, n_params - head.weight.numel()) if head is not None else 0.0
         flags = shared_prompt_flags(pairs, settings.share_prompt)
         dims = [batch_dims(pairs, mb, flags) for mb in micro_batches]
-        shapes, shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight)
+        layers = getattr(hf.config, "num_hidden_layers", None) or 1
+        shapes, shape_of = plan_padded_shapes(dims, settings.cuda_graphs, logp_weight,
+                                              capture_cost_batches(n_params, layers))
         self.pad_to = [shapes[a] for a in shape_of]
         self.shape_ids = iter(shape_of)
         self.optimizer, self.module, self.env = optimizer, module, env

@@ -137,6 +137,8 @@ def test_modes_expand_and_the_lora_mode_needs_the_adapter_param():
                                                                      "ours_fused_dpo", "ours_fused_rm"]
     assert [gpu_bench.family_of(m) for m in ("ours_dpo", "ours_8bit_rm", "ours_sr_dpo", "ours_lora_rm", "trl_rm")] == [
         "ours", "ours_8bit", "ours_sr", "ours_lora", None]
+    assert gpu_bench.expand_modes("ours_sr_dpo,trl_liger,trl_dpo_ckpt_liger") == ["ours_sr_dpo", "trl_dpo_liger",
+                                                                                   "trl_dpo_ckpt_liger"]
     with pytest.raises(SystemExit, match="unknown mode 'lora'"):
         gpu_bench.expand_modes("ours,lora")
     import copy
@@ -153,6 +155,22 @@ def test_modes_expand_and_the_lora_mode_needs_the_adapter_param():
     without["properties"]["train"]["properties"].pop("adapter", None)
     with pytest.raises(SystemExit, match="no train.adapter"):
         gpu_bench.lora_adapter(without, base)
+
+
+def test_ratio_to_trl_best_is_to_the_fastest_full_trl_row_that_ran():
+    """Issue 38's comparison: each full-fine-tune family against TRL's fastest full DPO of the same invocation
+    (here its Liger row, over the defaults and a failed row); PEFT rows are no full fine-tune and never the best."""
+    rows = [{"mode": "ours_sr_dpo", "status": "ok", "tokens_per_s": 9000},
+            {"mode": "ours_8bit_dpo", "status": "ok", "tokens_per_s": 6000},
+            {"mode": "trl_dpo", "status": "ok", "tokens_per_s": 1500},
+            {"mode": "trl_dpo_ckpt_liger", "status": "ok", "tokens_per_s": 2000},
+            {"mode": "trl_dpo_liger", "status": "oom"},
+            {"mode": "trl_dpo_peft", "status": "ok", "tokens_per_s": 5000}]
+    result = {}
+    gpu_bench.summarize(result, rows)
+    assert result["trl_dpo_best"] == "trl_dpo_ckpt_liger"
+    assert result["ratio_ours_sr_dpo_to_trl_best"] == 4.5 and result["ratio_ours_8bit_dpo_to_trl_best"] == 3.0
+    assert rows[0]["ratio_to_trl_best"] == 4.5 and "trl_rm_best" not in result
 
 
 @pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")

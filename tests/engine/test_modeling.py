@@ -283,6 +283,48 @@ def test_grouped_linear_equals_the_separate_layers_with_and_without_a_copy(bias)
     run()
 
 
+@pytest.mark.parametrize("layout", ["adjacent", "gap", "unmarked"])
+def test_marked_weights_get_their_gradient_added_into_grad_by_the_weight_gemm(layout):
+    """flat_adamw's flat gradient under the CUDA-graph step: a marked weight's gradient is added into its existing
+    .grad in place by GroupedLinear's weight GEMM (C += dy^T x), so autograd has nothing to add; the result is the
+    sum AccumulateGrad would make. A gap between the gradients or an unmarked weight takes autograd's path, with
+    the same sum. A one-weight GroupedLinear (o_proj / down_proj on the fused path) does the same."""
+    from stages.engine.modeling import GroupedLinear, grouped_linear, mark_grad_accumulators
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, n, bias=True, dtype=torch.float64) for n in (8, 2, 2)]
+    params = [p for m in layers for p in m.parameters()]
+    x = torch.randn(3, 5, 6, dtype=torch.float64)
+    g = torch.randn(3, 5, 12, dtype=torch.float64)
+    fresh = torch.autograd.grad(torch.cat([m(x) for m in layers], dim=-1), params, g)
+    gap = 3 if layout == "gap" else 0
+    grads = torch.randn(sum(m.weight.numel() for m in layers) + 2 * gap, dtype=torch.float64)   # a sum so far
+    offset = 0
+    for m in layers:            # back to back in one buffer, as flat_adamw lays out the gradients
+        n = m.weight.numel()
+        m.weight.grad = grads[offset:offset + n].view_as(m.weight)
+        offset += n + gap
+        m.bias.grad = torch.randn_like(m.bias)
+    before = [p.grad.clone() for p in params]
+    ptrs = [m.weight.grad.data_ptr() for m in layers]
+    assert mark_grad_accumulators([m.weight for m in layers[:2]] if layout == "unmarked" else params, True) > 0
+    handed = []                 # weight gradients autograd got to add (its hook sees None where there is none)
+    for m in layers:
+        m.weight.register_hook(lambda grad: handed.append(grad is not None))
+    (grouped_linear(x, layers) * g).sum().backward()
+    assert sum(handed) == (0 if layout == "adjacent" else 3), handed
+    for p, b, f in zip(params, before, fresh):
+        torch.testing.assert_close(p.grad, b + f, rtol=1e-12, atol=1e-12)
+    assert [m.weight.grad.data_ptr() for m in layers] == ptrs          # still the buffer's views
+    one = torch.nn.Linear(6, 4, dtype=torch.float64)
+    one.weight.grad = torch.ones_like(one.weight)
+    mark_grad_accumulators([one.weight], True)
+    ref = torch.autograd.grad((one(x) * g[..., :4]).sum(), one.weight)[0]
+    (GroupedLinear.apply(x, 1, one.weight, one.bias) * g[..., :4]).sum().backward()
+    torch.testing.assert_close(one.weight.grad, 1 + ref, rtol=1e-12, atol=1e-12)
+    assert mark_grad_accumulators(params + [one.weight], False) > 0
+    assert not any(hasattr(p, "_prefpipe_backward_adds_into_grad") for p in params)
+
+
 def test_grouped_weights_laid_out_adjacent_keep_every_value_and_output(tmp_path):
     """make_grouped_weights_adjacent (generation's and the judge's models on CUDA): every q/k/v and gate/up group,
     weights and biases, becomes one storage that adjacent_rows aliases (no per-forward copy), with the same values,

@@ -177,6 +177,24 @@ def test_padded_shape_plan_covers_every_batch_and_is_deterministic():
     assert len(same) == 1 and same[0].tokens == dims[0].tokens and same[0].pairs == dims[0].pairs + 1
 
 
+def test_a_large_models_cheap_captures_buy_more_shapes_and_less_padding():
+    """capture_cost_batches: 4 micro-batches at the 0.5B shape (and below: small models plan as before), about a
+    third at 7B's parameters a layer; the same run then gets more shapes and less padding."""
+    from stages.engine.padded_shapes import CAPTURE_COST_BATCHES, capture_cost_batches
+    assert capture_cost_batches(494_032_768, 24) == CAPTURE_COST_BATCHES == 4.0
+    assert capture_cost_batches(1_000_000, 2) == 4.0 and capture_cost_batches(10, 0) == 4.0
+    assert 0.3 < capture_cost_batches(7_615_616_512, 28) < 0.36
+    rng = np.random.default_rng(5)
+    dims = []
+    for _ in range(64):
+        t = int(rng.integers(200, 3000))
+        dims.append(BatchDims(tokens=t, keys=t, logp_tokens=t // 2, pairs=8, max_q=400, max_k=400))
+    small, small_of = plan_padded_shapes(dims, 8, 0.08, capture_cost_batches(494_032_768, 24))
+    large, large_of = plan_padded_shapes(dims, 8, 0.08, capture_cost_batches(7_615_616_512, 28))
+    assert len(large) > len(small)
+    assert sum(large[a].tokens for a in large_of) < sum(small[a].tokens for a in small_of)
+
+
 @pytest.mark.parametrize("share_prompt", [False, True])
 def test_padding_keeps_every_real_token_boundary_and_target(tmp_path, share_prompt):
     rows = random_rows(8, seed=12)
