@@ -506,6 +506,40 @@ def check_lowbit_geometry(device: str = "cpu") -> None:
     print("lowbit geometry ok")
 
 
+def check_flat_warm_up() -> None:
+    """planned_sizes (what the warm-up compiles for, before any gradient exists) is the layout the first flat step
+    builds when every trainable parameter gets a gradient, for both flat optimizers; and warm_up with a 7B-sized
+    plan (i64 sizes past 2^31) runs one program over its scratch buffers, reaching nothing past them."""
+    from stages.engine.dist import DistEnv
+    from stages.engine.flat_adamw import FlatLowBitAdamW, FlatMasterAdamW
+    from stages.engine.optim import build_optimizer
+    from stages.engine.steps import graphed_optimizer_step
+    from engine_helpers import train_settings
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), backend="gloo")
+    for cls, optimizer in ((FlatMasterAdamW, None), (FlatLowBitAdamW, {"state": "bf16_sr_8bit"})):
+        settings = train_settings(max_grad_norm=1.0, weight_decay=0.1, precision="bf16",
+                                  **({"optimizer": optimizer} if optimizer else {}))
+        torch.manual_seed(0)
+        m = torch.nn.ModuleDict({"a": torch.nn.Linear(8, 40), "b": torch.nn.Linear(40, 300)})
+        masters = {id(p): p.detach() for p in m.parameters()} if optimizer is None else None
+        m.to(torch.bfloat16)
+        opt = build_optimizer(m, settings, env, masters)
+        planned = cls.planned_sizes(opt)
+        flat = cls(opt, settings.max_grad_norm)
+        m["b"](torch.tanh(m["a"](torch.randn(5, 8, dtype=torch.bfloat16)))).float().square().mean().backward()
+        lrs = [torch.full((), 1e-3) for _ in opt.param_groups]
+        sums, row = torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
+        graphed_optimizer_step(opt, m, settings, lrs, sums, row, flat)
+        assert planned == (flat.grad.numel(), [e - s for _, s, e in flat.segments]), (planned, flat.segments)
+        big = (2 ** 31 + 2 * 8192, [2 ** 31 + 1024, 8192])
+        if cls is FlatMasterAdamW:
+            assert cls.warm_up(torch.device("cpu"), torch.bfloat16, big) > 0
+        else:
+            assert cls.warm_up(torch.device("cpu"), torch.bfloat16, False, True, big) > 0
+        flat.release()
+    print("flat warm-up ok")
+
+
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
     if sys.argv[1] == "kernels":
@@ -515,6 +549,7 @@ if __name__ == "__main__":
         check_decode_rotary()
     elif sys.argv[1] == "flat_adamw":
         check_flat_adamw()
+        check_flat_warm_up()
     elif sys.argv[1] == "flat_lowbit":
         check_flat_lowbit()
     elif sys.argv[1] == "lowbit_geometry":

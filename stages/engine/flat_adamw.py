@@ -74,40 +74,64 @@ class FlatMasterAdamW:
         return None
 
     @staticmethod
-    def warm_up(device: torch.device, dtype: torch.dtype) -> float:
+    def warm_up(device: torch.device, dtype: torch.dtype, sizes: tuple[int, list[int]] | None = None) -> float:
         """Compile the three kernels (Triton compiles on first launch) on scratch buffers with the same
-        dtypes and specialisations as a run's; returns the seconds spent."""
+        dtypes and specialisations as a run's (sizes: planned_sizes(), the run's own integer arguments, each
+        kernel launched as one program over the scratch: no program reaches past its first block); returns the
+        seconds spent."""
         t0 = time.perf_counter()
-        n = 2 * ALIGN
+        n = max(2 * ALIGN, NORM_BLOCK, ADAM_BLOCK)
         g = torch.zeros(n, dtype=dtype, device=device)
         w = torch.zeros(n, dtype=torch.float32, device=device)
         # separate allocations, as a run's scalars are (Triton specialises on pointer alignment)
         norm, divisor, step, lr = (torch.ones((), dtype=torch.float32, device=device) for _ in range(4))
         partials = torch.zeros(1, dtype=torch.float32, device=device)
         bias = torch.tensor([[1.0, 1.0, 0.9, 0.999, 0.0, 0.0]], dtype=torch.float64, device=device)
-        for clip in (True, False):
-            _launch(g, g.clone(), w, w.clone(), w.clone(), partials, norm, divisor, step, bias, [(0, 0, n)], [lr],
-                    [(0.9, 0.999, 1e-8, 0.0)], 1.0 if clip else 0.0)
+        for total, segs in [(2 * ALIGN, [2 * ALIGN])] + ([sizes] if sizes else []):
+            for clip in (True, False):
+                kernels._sumsq_kernel[(1,)](g, partials, total, BLOCK=NORM_BLOCK)
+                kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0,
+                                           CLIP=clip, BLOCK=1024)
+            for seg in segs:
+                kernels._adamw_kernel[(1,)](g, g.clone(), w, w.clone(), w.clone(), seg, lr, bias[0], divisor, 0.9,
+                                            0.1, 0.999, 1.0 - 0.999, 1e-8, 0.0, BLOCK=ADAM_BLOCK)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
-    @torch.no_grad()
-    def _build(self) -> None:
-        opt = self.optimizer
+    @staticmethod
+    def _layout(opt, has_grad) -> tuple[list, list, int]:
+        """(entries (model param, master, offset, numel), segments (group, start, end), flat length) of the
+        parameters `has_grad` admits, each group's range a multiple of ALIGN."""
         model_of = {id(m): p for p, m in zip(opt.model_params, opt.master_params)}
         entries, segments, offset = [], [], 0
         for gi, group in enumerate(opt.param_groups):
             start = offset
             for m in group["params"]:
                 p = model_of[id(m)]
-                if p.grad is None:           # torch's AdamW skips it too: it stays outside, untouched
+                if not has_grad(p):          # torch's AdamW skips it too: it stays outside, untouched
                     continue
                 entries.append((p, m, offset, p.numel()))
                 offset += p.numel()
             offset = -(-offset // ALIGN) * ALIGN
             if offset > start:
                 segments.append((gi, start, offset))
+        return entries, segments, offset
+
+    @staticmethod
+    def planned_sizes(optimizer) -> tuple[int, list[int]]:
+        """The integer sizes the first flat step launches its kernels with when every trainable parameter has a
+        gradient (as _build lays them out): the flat length (_sumsq_kernel) and each segment's (_adamw_kernel).
+        For warm_up: Triton specialises an int argument on its type (i32, or i64 past 2^31 values: a 7B model's
+        flat length) and on divisibility by 16, so a scratch-sized warm-up missed a 7B run's own kernels, which
+        then compiled inside its first step (~1 s; bench/results/h100_issue38_<commit>/)."""
+        _, segments, offset = FlatMasterAdamW._layout(optimizer, lambda p: p.requires_grad)
+        return offset, [end - start for _, start, end in segments]
+
+    @torch.no_grad()
+    def _build(self) -> None:
+        opt = self.optimizer
+        entries, segments, offset = self._layout(opt, lambda p: p.grad is not None)
         if not entries:
             raise RuntimeError("flat AdamW: no parameter has a gradient at the first optimizer step")
         steps = {float(opt.state[m]["step"]) for _, m, _, _ in entries if opt.state[m]}
@@ -256,22 +280,36 @@ class FlatLowBitAdamW:
             return "Triton unavailable on this device"
         return None
 
-    @torch.no_grad()
-    def _build(self) -> None:
-        from stages.engine.lowbit_adamw import BLOCK, n_blocks
-        opt = self.optimizer
-        masters = opt.master_params is not None
+    @staticmethod
+    def _layout(opt, has_grad) -> tuple[list, list, int]:
+        """(entries (model param, state tensor, offset, numel), segments (group, start, end), flat length) of the
+        parameters `has_grad` admits, each one's range whole quantization blocks."""
+        from stages.engine.lowbit_adamw import BLOCK
         entries, segments, offset = [], [], 0
         for gi, group in enumerate(opt.param_groups):
             start = offset
             for t in group["params"]:                     # t: the master (fp32_master_8bit over bf16) or the weight
                 p = opt._model_of.get(id(t), t)
-                if p.grad is None:
+                if not has_grad(p):
                     continue
                 entries.append((p, t, offset, p.numel()))
                 offset += -(-p.numel() // BLOCK) * BLOCK
             if offset > start:
                 segments.append((gi, start, offset))
+        return entries, segments, offset
+
+    @staticmethod
+    def planned_sizes(optimizer) -> tuple[int, list[int]]:
+        """As FlatMasterAdamW.planned_sizes: the flat length and each segment's values (its blocks follow)."""
+        _, segments, offset = FlatLowBitAdamW._layout(optimizer, lambda p: p.requires_grad)
+        return offset, [end - start for _, start, end in segments]
+
+    @torch.no_grad()
+    def _build(self) -> None:
+        from stages.engine.lowbit_adamw import BLOCK, n_blocks
+        opt = self.optimizer
+        masters = opt.master_params is not None
+        entries, segments, offset = self._layout(opt, lambda p: p.grad is not None)
         if not entries:
             raise RuntimeError("flat AdamW: no parameter has a gradient at the first optimizer step")
         p0 = entries[0][0]
@@ -354,27 +392,31 @@ class FlatLowBitAdamW:
         return self.norm
 
     @staticmethod
-    def warm_up(device: torch.device, dtype: torch.dtype, has_master: bool, sr: bool) -> float:
-        """Compile the kernels a run launches, on scratch buffers (as FlatMasterAdamW.warm_up)."""
+    def warm_up(device: torch.device, dtype: torch.dtype, has_master: bool, sr: bool,
+                sizes: tuple[int, list[int]] | None = None) -> float:
+        """Compile the kernels a run launches, on scratch buffers (as FlatMasterAdamW.warm_up, sizes included:
+        one program of TILE_ROWS blocks, the run's block and value counts)."""
         from stages.engine.lowbit_adamw import BLOCK
         t0 = time.perf_counter()
-        n = 2 * BLOCK
+        n = max(2 * BLOCK, TILE_ROWS * BLOCK, NORM_BLOCK)
         g = torch.zeros(n, dtype=dtype, device=device)
         w = torch.zeros(n, dtype=torch.float32, device=device)
         codes = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
-        scales = [torch.zeros(2, dtype=torch.float32, device=device) for _ in range(2)]
-        idx = [torch.zeros(2, dtype=torch.int32, device=device) for _ in range(2)]
+        scales = [torch.zeros(TILE_ROWS, dtype=torch.float32, device=device) for _ in range(2)]
+        idx = [torch.zeros(TILE_ROWS, dtype=torch.int32, device=device) for _ in range(2)]
         norm, divisor, step, lr = (torch.ones((), dtype=torch.float32, device=device) for _ in range(4))
         partials = torch.zeros(1, dtype=torch.float32, device=device)
         bias = torch.tensor([[1.0, 1.0, 0.9, 0.999, 0.1, 0.1]], dtype=torch.float64, device=device)
-        for clip in (True, False):
-            kernels._sumsq_kernel[(1,)](g, partials, n, BLOCK=NORM_BLOCK)
-            kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0, CLIP=clip,
-                                       BLOCK=1024)
-        kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0], idx[1], 2, n,
-                                     lr, bias[0], divisor, step, 12345, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0,
-                                     HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS, B=BLOCK, EVEN=True,
-                                     FAST=kernels.PTX)
+        for total, segs in [(2 * BLOCK, [2 * BLOCK])] + ([sizes] if sizes else []):
+            for clip in (True, False):
+                kernels._sumsq_kernel[(1,)](g, partials, total, BLOCK=NORM_BLOCK)
+                kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0,
+                                           CLIP=clip, BLOCK=1024)
+            for seg in segs:
+                kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0],
+                                             idx[1], seg // BLOCK, seg, lr, bias[0], divisor, step, 12345, 0.9, 0.1,
+                                             0.999, 0.001, 1e-8, 0.0, HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS,
+                                             B=BLOCK, EVEN=True, FAST=kernels.PTX)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0

@@ -220,12 +220,14 @@ class GraphedSteps:
             self.flat = FlatLowBitAdamW(optimizer, settings.max_grad_norm)
             dtype = optimizer.model_params[0].dtype
             flat_warmup_s = FlatLowBitAdamW.warm_up(device, dtype, optimizer.master_params is not None,
-                                                    optimizer.state_mode == "bf16_sr_8bit" and dtype == torch.bfloat16)
+                                                    optimizer.state_mode == "bf16_sr_8bit" and dtype == torch.bfloat16,
+                                                    FlatLowBitAdamW.planned_sizes(optimizer))
             kind = "flat_triton_adamw_8bit"
         else:
             why_not_flat = FlatMasterAdamW.unsupported(optimizer)
             self.flat = FlatMasterAdamW(optimizer, settings.max_grad_norm) if why_not_flat is None else None
-            flat_warmup_s = FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype) if self.flat else 0.0
+            flat_warmup_s = (FlatMasterAdamW.warm_up(device, optimizer.model_params[0].dtype,
+                                                     FlatMasterAdamW.planned_sizes(optimizer)) if self.flat else 0.0)
             kind = "flat_triton_adamw"
         self.graphs = StepGraphs(
             device, fwd_bwd=lambda b: forward_backward(model, objective, settings, env, b, self.scale, self.sums),

@@ -35,8 +35,11 @@ def test_decode_attention_kernel_equals_the_masked_matmul_attention_under_the_in
 def test_flat_adamw_equals_the_eager_master_weight_step_under_the_interpreter():
     """stages/engine/flat_adamw.py's three kernels through graphed_optimizer_step: the masters, moments and step
     counts of MasterWeightAdamW's own clipped step, the model's weights its rounded masters, a parameter
-    without gradient untouched, and a state_dict that continues as MasterWeightAdamW's."""
-    assert "flat adamw ok" in interpret("flat_adamw")
+    without gradient untouched, and a state_dict that continues as MasterWeightAdamW's. Both flat optimizers'
+    planned_sizes (the warm-up's) equal the layout their first step builds, and a warm-up at 7B sizes (i64) stays
+    inside its scratch buffers."""
+    out = interpret("flat_adamw")
+    assert "flat adamw ok" in out and "flat warm-up ok" in out
 
 
 @needs_triton
