@@ -78,20 +78,22 @@ def pad_packed_batch(batch: PackedBatch, shape: BatchDims) -> PackedBatch:
     )
 
 
-# What a capture costs, in average micro-batches of work (plan_padded_shapes' capture_cost_batches): about one eager
-# step of host time, which grows with the kernels a step launches (~ its layers), against a replayed batch's GPU time,
-# which grows with its FLOPs (~ the parameters). 4 batches was measured at the 0.5B shape (24 layers, 494M
-# parameters: bench/results/h200.json); at 7B (28 layers, 7.6B) a capture took ~0.11 s against a ~0.2 s step (~0.5
-# batch, bench/results/h100_issue38_<commit>/), where 4 padded 512 HH pairs to 3 shapes, 19.5% padding tokens (8 shapes:
-# 5.2%). Scaled by parameters a layer, never above the 0.5B figure (smaller models stay as they were).
+# What a capture costs, in average micro-batches of work (plan_padded_shapes' capture_cost_batches): host time (about
+# one eager step's: Python, launches, allocator), against a replayed batch's GPU time, which grows with the FLOPs.
+# Two measured points: 4 batches at the 0.5B shape (24 layers, 494M parameters: bench/results/h200.json), ~1 at 7B
+# (28 layers, 7.6B: 0.11-0.27 s a capture on two H100 hosts against a ~0.17 s replayed step,
+# bench/results/h100_issue38_dd4ac83/). A power law in parameters a layer through both (exponent ~0.54), never above
+# the 0.5B figure (smaller models plan as before). At 7B on 512 HH pairs: 7 shapes, 6.3% padding tokens, where 4
+# batches gave 3 shapes and 19.5%.
 CAPTURE_COST_BATCHES = 4.0
 CAPTURE_COST_PARAMS_PER_LAYER = 494_032_768 / 24
+CAPTURE_COST_EXPONENT = 0.54
 
 
 def capture_cost_batches(n_params: int, layers: int) -> float:
     """A capture's cost in micro-batches for a model of n_params parameters in `layers` layers (above)."""
-    per_layer = n_params / max(1, layers)
-    return min(CAPTURE_COST_BATCHES, CAPTURE_COST_BATCHES * CAPTURE_COST_PARAMS_PER_LAYER / max(1.0, per_layer))
+    ratio = CAPTURE_COST_PARAMS_PER_LAYER / max(1.0, n_params / max(1, layers))
+    return min(CAPTURE_COST_BATCHES, CAPTURE_COST_BATCHES * ratio ** CAPTURE_COST_EXPONENT)
 
 
 def plan_padded_shapes(dims: list[BatchDims], max_shapes: int, logp_weight: float,

@@ -178,12 +178,12 @@ def test_padded_shape_plan_covers_every_batch_and_is_deterministic():
 
 
 def test_a_large_models_cheap_captures_buy_more_shapes_and_less_padding():
-    """capture_cost_batches: 4 micro-batches at the 0.5B shape (and below: small models plan as before), about a
-    third at 7B's parameters a layer; the same run then gets more shapes and less padding."""
+    """capture_cost_batches: 4 micro-batches at the 0.5B shape (and below: small models plan as before), about one
+    at 7B's parameters a layer (both measured); the same run then gets more shapes and less padding."""
     from stages.engine.padded_shapes import CAPTURE_COST_BATCHES, capture_cost_batches
     assert capture_cost_batches(494_032_768, 24) == CAPTURE_COST_BATCHES == 4.0
     assert capture_cost_batches(1_000_000, 2) == 4.0 and capture_cost_batches(10, 0) == 4.0
-    assert 0.3 < capture_cost_batches(7_615_616_512, 28) < 0.36
+    assert 0.9 < capture_cost_batches(7_615_616_512, 28) < 1.1
     rng = np.random.default_rng(5)
     dims = []
     for _ in range(64):
