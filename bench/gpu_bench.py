@@ -784,8 +784,8 @@ def summarize(result: dict, rows: list[dict]) -> None:
 def print_table(result: dict) -> None:
     rows = result["table"]
     cols = ["mode", "status", "seconds", "tokens", "tokens_per_s", "pairs_per_s", "ratio_to_trl",
-            "ratio_to_trl_defaults", "ratio_to_trl_best", "mfu", "mfu_hw", "peak_mem_gib", "planned_peak_gib", "device_peak_gib",
-            "probe_accuracy", "final_train_loss"]
+            "ratio_to_trl_defaults", "ratio_to_trl_best", "mfu", "mfu_hw", "peak_mem_gib", "planned_peak_gib",
+            "device_peak_gib", "probe_accuracy", "final_train_loss"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:

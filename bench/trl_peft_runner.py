@@ -65,13 +65,17 @@ def liger_kernels_applied(model) -> dict:
         from liger_kernel.transformers.rope import liger_rotary_pos_emb
     except ImportError:
         return {"rms_norm": 0, "swiglu": 0, "rope": False, "liger_kernel": None}
+    from importlib.metadata import PackageNotFoundError, version
     from transformers.models.qwen2 import modeling_qwen2
-    import liger_kernel
+    try:
+        liger_version = version("liger-kernel")         # the package has no __version__
+    except PackageNotFoundError:
+        liger_version = None
     funcs = [getattr(getattr(m, "forward", None), "__func__", None) for m in model.modules()]
     return {"rms_norm": sum(f is LigerRMSNorm.forward for f in funcs),
             "swiglu": sum(f is LigerSwiGLUMLP.forward for f in funcs),
             "rope": modeling_qwen2.apply_rotary_pos_emb is liger_rotary_pos_emb,
-            "liger_kernel": getattr(liger_kernel, "__version__", None)}
+            "liger_kernel": liger_version}
 
 
 def trained_workload(dataset, mode: str, max_length: int) -> tuple[int, int]:

@@ -196,7 +196,7 @@ def adjacent_rows(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 # weight's gradient into .grad inside its GEMM (C += dy^T x, cuBLAS beta = 1) and hands autograd no gradient for it,
 # so AccumulateGrad's separate add (reading .grad and the new gradient, writing .grad: three sweeps of the weights)
 # and the new gradient's own write go away. At 7B on an H100 those adds were ~14 ms of a ~220 ms step (339 adds a
-# step, bench/results/h100_issue38_<commit>/). DDP, FSDP2 and fused_backward hook AccumulateGrad, and an eager step
+# step, bench/results/h100_issue38_dd4ac83/). DDP, FSDP2 and fused_backward hook AccumulateGrad, and an eager step
 # sets .grad to None between steps: only the flat graph step marks parameters (mark_grad_accumulators).
 _ADDS_INTO_GRAD = "_prefpipe_backward_adds_into_grad"
 

@@ -81,7 +81,7 @@ def pad_packed_batch(batch: PackedBatch, shape: BatchDims) -> PackedBatch:
 # What a capture costs, in average micro-batches of work (plan_padded_shapes' capture_cost_batches): host time (about
 # one eager step's: Python, launches, allocator), against a replayed batch's GPU time, which grows with the FLOPs.
 # Two measured points: 4 batches at the 0.5B shape (24 layers, 494M parameters: bench/results/h200.json), ~1 at 7B
-# (28 layers, 7.6B: 0.11-0.27 s a capture on two H100 hosts against a ~0.17 s replayed step,
+# (28 layers, 7.6B: 0.11-0.30 s a capture on H100 hosts against a ~0.17 s replayed step,
 # bench/results/h100_issue38_dd4ac83/). A power law in parameters a layer through both (exponent ~0.54), never above
 # the 0.5B figure (smaller models plan as before). At 7B on 512 HH pairs: 7 shapes, 6.3% padding tokens, where 4
 # batches gave 3 shapes and 19.5%.
