@@ -297,8 +297,10 @@ def test_dvc_repro_cannot_start_at_any_moment_of_a_snakemake_run(workspace):
     """Item 4: generation.seed changed, `snakemake --cores 1` started, `dvc repro` 12 s later: both ran generate. The
     lock was free while the guard started Snakemake again with --forcerun and before the onsuccess commit. Now DVC's
     lock, probed 20 times a second, is never free from the run's first check until its record is written, and
-    whichever starts second is refused, naming the lock, and runs nothing: the `dvc repro` (before, DVC retrained
-    beside Snakemake and then failed with a traceback), then a second `snakemake`."""
+    whichever starts second is refused, naming the lock, and runs nothing: a second `snakemake`, started as soon as the
+    run holds the lock, and the `dvc repro` (before, DVC retrained beside Snakemake and then failed with a traceback).
+    The second `snakemake` starts early, beside the wait: started after the `dvc repro`, ~20 s in, it could find a run
+    of ~20-25 s already finished (a suite run of aa9bcfb did), and then rightly ran nothing and was not refused."""
     import threading
     repo = workspace
     params = (repo / "params.yaml").read_text()
@@ -323,7 +325,14 @@ def test_dvc_repro_cannot_start_at_any_moment_of_a_snakemake_run(workspace):
 
     prober = threading.Thread(target=probe)
     prober.start()
+    third = None
     try:
+        while _dvc_lock_free(repo) and proc.poll() is None and time.monotonic() - t0 < 300:
+            time.sleep(0.1)
+        assert proc.poll() is None, "the run ended before it was seen holding DVC's lock: nothing was checked"
+        third = subprocess.Popen(["snakemake", "--cores", "1"], cwd=repo, stdout=subprocess.PIPE,
+                                 stderr=subprocess.PIPE, text=True,
+                                 env={k: v for k, v in os.environ.items() if not k.startswith("PREFPIPE_")})
         # 12 s in, as the issue's user did, and once the run holds DVC's lock: on a loaded machine Snakemake's own
         # start-up (before its first check takes the lock) can take longer than 12 s, and a `dvc repro` started
         # before it would rightly win the lock and make this run the one refused.
@@ -334,14 +343,15 @@ def test_dvc_repro_cannot_start_at_any_moment_of_a_snakemake_run(workspace):
         assert second.returncode != 0, second.stdout[-2000:]
         assert "Unable to acquire lock" in second.stderr + second.stdout
         assert "Running stage" not in second.stdout
-        assert proc.poll() is None, "the run ended before the second snakemake started: nothing was checked"
-        third = run(repo, "snakemake", "--cores", "1", timeout=120)
-        assert third.returncode != 0 and ".dvc/tmp/lock" in third.stderr, third.stderr[-2000:]
-        assert "Job stats" not in third.stdout + third.stderr
+        third_out, third_err = third.communicate(timeout=120)
+        # refused naming DVC's lock: only a run holding it refuses so (a finished one would let it run)
+        assert third.returncode != 0 and ".dvc/tmp/lock" in third_err, third_err[-2000:]
+        assert "Job stats" not in third_out + third_err
         proc.wait(timeout=600)
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        for p in (proc, third):
+            if p is not None and p.poll() is None:
+                p.kill()
         prober.join()
         (repo / "params.yaml").write_text(params)
     assert proc.returncode == 0, proc.stderr.read()[-3000:]
