@@ -402,7 +402,10 @@ def use_fused_kernels(model: nn.Module) -> dict:
     does not depend on whether Triton is installed, so the counts (run_info's `fused_kernels`) of a CPU run are
     the same from either lock (the runtime lock has no triton). The rotary routing replaces the function
     in the attention class's transformers module (it is a module-level function there, called by name), for
-    every model of that class in this process. Returns how many modules of each kind were routed."""
+    every model of that class in this process. Returns how many modules of each kind were routed. An attention's
+    o_proj and an MLP's down_proj (plain Linear layers) also go through a one-weight GroupedLinear on the fused path
+    (_linear_forward: the same GEMMs, so a marked weight's gradient is added in place); they are not counted, so
+    run_info's `fused_kernels` stays what it was."""
     import sys
     import types
     counts = {"rms_norm": 0, "silu_mul": 0, "rotary": 0, "qkv_gemm": 0}

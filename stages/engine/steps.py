@@ -19,7 +19,8 @@ CUDA graphs, why and how (StepGraphs):
       the next batch is copied into (host->device, non-blocking) before a replay;
     - one graph per shape runs `fwd_bwd(static_batch)` (forward, loss, backward: gradients
       ACCUMULATE into the parameters' persistent .grad tensors, so several micro-batches per step
-      work as in eager mode); one more graph runs `optimizer_step()` (clip, AdamW with the learning
+      work as in eager mode; the flat optimizer marks them, and the weight GEMMs then add into them
+      directly: modeling.mark_grad_accumulators); one more graph runs `optimizer_step()` (clip, AdamW with the learning
       rate read from a device tensor, zero the gradients);
     - the first optimizer step of the run runs eagerly (it allocates the gradients and the optimizer
       state and warms up cuBLAS and the allocator on the capture stream), later ones replay;
