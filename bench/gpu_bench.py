@@ -790,7 +790,8 @@ def print_table(result: dict) -> None:
     print("|" + "---|" * len(cols))
     for r in rows:
         print("| " + " | ".join(str(r.get(c, "")) for c in cols) + " |")
-    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio_", "mfu_", "accuracy_vs_exact", "trl_"))
+    print(json.dumps({k: v for k, v in result.items() if k.startswith(("ratio_", "mfu_", "accuracy_vs_exact"))
+                      or k.endswith("_best")
                       or k in ("gpu", "matmul_peak_tflops", "model")}))
 
 
