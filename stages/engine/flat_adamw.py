@@ -88,10 +88,8 @@ class FlatMasterAdamW:
         partials = torch.zeros(1, dtype=torch.float32, device=device)
         bias = torch.tensor([[1.0, 1.0, 0.9, 0.999, 0.0, 0.0]], dtype=torch.float64, device=device)
         for total, segs in [(2 * ALIGN, [2 * ALIGN])] + ([sizes] if sizes else []):
-            for clip in (True, False):
-                kernels._sumsq_kernel[(1,)](g, partials, total, BLOCK=NORM_BLOCK)
-                kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0,
-                                           CLIP=clip, BLOCK=1024)
+            for max_norm in (1.0, 0.0):                      # with and without the clip (CLIP)
+                _norm_and_clip(g, total, partials, norm, divisor, step, bias, max_norm)
             for seg in segs:
                 kernels._adamw_kernel[(1,)](g, g.clone(), w, w.clone(), w.clone(), seg, lr, bias[0], divisor, 0.9,
                                             0.1, 0.999, 1.0 - 0.999, 1e-8, 0.0, BLOCK=ADAM_BLOCK)
@@ -203,12 +201,17 @@ class FlatMasterAdamW:
         self.grad = None
 
 
-def _launch(grad, param, master, exp_avg, exp_avg_sq, partials, norm, divisor, step_count, bias, segments, lrs,
-            hyper, max_grad_norm: float) -> None:
-    n = grad.numel()
+def _norm_and_clip(grad, n: int, partials, norm, divisor, step_count, bias, max_grad_norm: float) -> None:
+    """Stages 1 and 2 of both flat steps (module docstring): _sumsq_kernel, one program per partial, over n values
+    of the flat gradient, then _clip_kernel's norm, clip divisor, step count and bias corrections."""
     kernels._sumsq_kernel[(partials.numel(),)](grad, partials, n, BLOCK=NORM_BLOCK)
     kernels._clip_kernel[(1,)](partials, partials.numel(), norm, divisor, step_count, bias, bias.shape[0],
                                max_grad_norm, CLIP=max_grad_norm > 0, BLOCK=1024)
+
+
+def _launch(grad, param, master, exp_avg, exp_avg_sq, partials, norm, divisor, step_count, bias, segments, lrs,
+            hyper, max_grad_norm: float) -> None:
+    _norm_and_clip(grad, grad.numel(), partials, norm, divisor, step_count, bias, max_grad_norm)
     for i, ((_, start, end), lr, (beta1, beta2, eps, wd)) in enumerate(zip(segments, lrs, hyper)):
         sl = slice(start, end)
         kernels._adamw_kernel[(-(-(end - start) // ADAM_BLOCK),)](
@@ -373,11 +376,8 @@ class FlatLowBitAdamW:
         from stages.engine.lowbit_adamw import BLOCK
         if self.segments is None:
             self._build()
-        n = self.grad.numel()
-        kernels._sumsq_kernel[(self.partials.numel(),)](self.grad, self.partials, n, BLOCK=NORM_BLOCK)
-        kernels._clip_kernel[(1,)](self.partials, self.partials.numel(), self.norm, self.divisor, self.step_count,
-                                   self.bias, self.bias.shape[0], self.max_grad_norm, CLIP=self.max_grad_norm > 0,
-                                   BLOCK=1024)
+        _norm_and_clip(self.grad, self.grad.numel(), self.partials, self.norm, self.divisor, self.step_count,
+                       self.bias, self.max_grad_norm)
         for i, (gi, start, end) in enumerate(self.segments):
             beta1, beta2, eps, wd = self.hyper[i]
             b0, b1 = start // BLOCK, end // BLOCK
@@ -408,10 +408,8 @@ class FlatLowBitAdamW:
         partials = torch.zeros(1, dtype=torch.float32, device=device)
         bias = torch.tensor([[1.0, 1.0, 0.9, 0.999, 0.1, 0.1]], dtype=torch.float64, device=device)
         for total, segs in [(2 * BLOCK, [2 * BLOCK])] + ([sizes] if sizes else []):
-            for clip in (True, False):
-                kernels._sumsq_kernel[(1,)](g, partials, total, BLOCK=NORM_BLOCK)
-                kernels._clip_kernel[(1,)](partials, 1, norm, divisor, step, bias, 1, 1.0 if clip else 0.0,
-                                           CLIP=clip, BLOCK=1024)
+            for max_norm in (1.0, 0.0):                      # with and without the clip (CLIP)
+                _norm_and_clip(g, total, partials, norm, divisor, step, bias, max_norm)
             for seg in segs:
                 kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0],
                                              idx[1], seg // BLOCK, seg, lr, bias[0], divisor, step, 12345, 0.9, 0.1,
