@@ -5,8 +5,8 @@
 
 The workload is gpu_bench.py's (the TRL anchor's: HH-RLHF pairs through our normalize + tokenize,
 random-init Qwen2.5-0.5B shape, 8 pairs per optimizer step). Each variant runs the stage CLI exactly as
-the bench does, with PREFPIPE_PROFILE set (stages/engine/step_profiler.py): the first optimizer step
-profiled by host time (one-off costs) and 6 steady steps by GPU kernel time. Variants:
+the bench does, with PREFPIPE_PROFILE set (stages/engine/step_profiler.py): the first two optimizer steps
+profiled by host time (one-off costs: the eager step, then the captures) and 6 steady steps by GPU kernel time. Variants:
   graphs   params as given (CUDA graphs on a single GPU): the steady table is the replayed kernels
   eager    train.cuda_graphs = 0: the same kernels launched one by one, with the ops that issue them
 Writes OUT (JSON: per variant the profile summary and the run's timings) and, beside it,
@@ -44,6 +44,8 @@ def main(argv=None) -> None:
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="params overrides for every variant")
     ap.add_argument("--profile-start", type=int, default=10, help="first optimizer step of the steady window")
     ap.add_argument("--profile-steps", type=int, default=6)
+    ap.add_argument("--python", action="store_true",
+                    help="also cProfile the first two steps (PREFPIPE_PROFILE_PY=1): host time by Python function")
     ap.add_argument("--work", default="/tmp/prefpipe_profile")
     ap.add_argument("--model-cache", help="gpu_bench's model cache: the random-init model made once and reused "
                     "(default: --work, made again)")
@@ -89,13 +91,15 @@ def main(argv=None) -> None:
             info = gpu_bench.run_stage(stage, pdir / "params.yaml", model_dir, work,
                                        [*extra, "--out-dir", str(pdir / stage)], out.parent,
                                        env={"PREFPIPE_PROFILE": str(prof_dir), "PREFPIPE_PROFILE_START": str(args.profile_start),
-                                            "PREFPIPE_PROFILE_STEPS": str(args.profile_steps)})
+                                            "PREFPIPE_PROFILE_STEPS": str(args.profile_steps),
+                                            "PREFPIPE_PROFILE_PY": "1" if args.python else "0"})
             run = {"stage": stage, "variant": variant,
                    "profile": json.loads((prof_dir / "summary.json").read_text()),
                    **{k: info[k] for k in ("train_seconds", "tokens_per_s", "cuda_graphs", "fused_kernels",
                                            "kernel_warmup_seconds")}}
-            for name in ("first_step", "steady"):
-                shutil.copy(prof_dir / f"{name}.txt", out.parent / f"step_profile_{stage}_{variant}_{name}.txt")
+            for name in ("first_step", "second_step", "steady", "first_step_py", "second_step_py"):
+                if (prof_dir / f"{name}.txt").exists():
+                    shutil.copy(prof_dir / f"{name}.txt", out.parent / f"step_profile_{stage}_{variant}_{name}.txt")
             print(json.dumps(run), flush=True)
             result["runs"].append(run)
             out.write_text(json.dumps(result, indent=2) + "\n")

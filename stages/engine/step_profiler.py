@@ -6,14 +6,21 @@ A diagnostic, not a parameter: it changes no result (only timing: the profiled s
 it is an environment variable and not part of params.yaml / the stage hashes. Two windows:
   first_step.txt    the run's first optimizer step (CUDA-graph path: the eager step that allocates the
                     gradients and optimizer state), ops by host (CPU) time: the one-off costs;
+  second_step.txt   the second (CUDA-graph path: the step that captures its shapes' graphs), by host time;
   steady.txt        PREFPIPE_PROFILE_STEPS (default 6) later steps from PREFPIPE_PROFILE_START (default
                     10), ops and kernels by GPU time (kernels replayed from CUDA graphs included);
   summary.json      per window: host seconds, GPU kernel ms per step, kernels per step.
+PREFPIPE_PROFILE_PY=1 adds <window>_py.txt for the first two windows: Python's cProfile (host time by
+Python function, cumulative and own), which shows what torch.profiler's op table cannot (Triton's compile
+and launch path, autograd's Python, the allocator's first-use time inside an op).
 """
 from __future__ import annotations
 
+import cProfile
+import io
 import json
 import os
+import pstats
 import time
 from pathlib import Path
 
@@ -30,16 +37,18 @@ def kernel_summary(events, steps: int) -> dict:
 
 
 class StepProfiler:
-    """Wraps optimizer steps [0, 1) and [start, start + steps) of the loop in torch.profiler (rank 0)."""
+    """Wraps optimizer steps 0, 1 and [start, start + steps) of the loop in torch.profiler (rank 0)."""
 
-    def __init__(self, out_dir: Path, device: torch.device, start: int = 10, steps: int = 6):
-        if start < 1 or steps < 1:
-            raise ValueError(f"{PROFILE_ENV}: the steady window must start at step >= 1 and hold >= 1 step")
+    def __init__(self, out_dir: Path, device: torch.device, start: int = 10, steps: int = 6, python: bool = False):
+        if start < 2 or steps < 1:
+            raise ValueError(f"{PROFILE_ENV}: the steady window must start after the second step (at step >= 2) "
+                             "and hold >= 1 step")
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.device = device
-        self.windows = {0: ("first_step", 1), start: ("steady", steps)}
-        self.active: tuple[str, int, int, float, object] | None = None
+        self.windows = {0: ("first_step", 1), 1: ("second_step", 1), start: ("steady", steps)}
+        self.python = python
+        self.active: tuple[str, int, int, float, object, cProfile.Profile | None] | None = None
         self.summary: dict = {}
 
     @classmethod
@@ -48,9 +57,11 @@ class StepProfiler:
         if not out or not is_main:
             return None
         start = int(os.environ.get("PREFPIPE_PROFILE_START", "10")) + first_step
-        prof = cls(Path(out), device, start, int(os.environ.get("PREFPIPE_PROFILE_STEPS", "6")))
-        if first_step:                      # a resumed run's first step is not the run's first-use step
+        prof = cls(Path(out), device, start, int(os.environ.get("PREFPIPE_PROFILE_STEPS", "6")),
+                   os.environ.get("PREFPIPE_PROFILE_PY") == "1")
+        if first_step:                      # a resumed run's first steps are not the run's first-use steps
             prof.windows.pop(0, None)
+            prof.windows.pop(1, None)
         return prof
 
     def _sync(self) -> None:
@@ -65,7 +76,10 @@ class StepProfiler:
             self._sync()
             prof = profile(activities=activities)
             prof.__enter__()
-            self.active = (name, step, n, time.perf_counter(), prof)
+            py = cProfile.Profile() if self.python and name != "steady" else None
+            if py is not None:
+                py.enable()
+            self.active = (name, step, n, time.perf_counter(), prof, py)
 
     def after_step(self, step: int) -> None:
         """`step`: the index of the step just done (0-based)."""
@@ -78,13 +92,19 @@ class StepProfiler:
             self._close(steps_done - self.active[1])
 
     def _close(self, n: int) -> None:
-        name, start, _, t0, prof = self.active
+        name, start, _, t0, prof, py = self.active
         self._sync()
         host_s = time.perf_counter() - t0
+        if py is not None:
+            py.disable()
+            text = io.StringIO()
+            for key in ("cumulative", "tottime"):
+                pstats.Stats(py, stream=text).sort_stats(key).print_stats(50)
+            (self.out_dir / f"{name}_py.txt").write_text(text.getvalue())
         prof.__exit__(None, None, None)
         self.active = None
         events = prof.key_averages()
-        sort = "self_cpu_time_total" if name == "first_step" else (
+        sort = "self_cpu_time_total" if name != "steady" else (
             "self_cuda_time_total" if self.device.type == "cuda" else "self_cpu_time_total")
         (self.out_dir / f"{name}.txt").write_text(
             f"# optimizer steps {start}..{start + n - 1}, {host_s:.3f} s host (synchronized), sorted by {sort}\n"

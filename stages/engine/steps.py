@@ -297,6 +297,7 @@ class StepGraphs:
         self.captures = 0
         self.replays = 0
         self.capture_seconds = 0.0          # host time spent capturing (the graphs' one-off cost)
+        self.instantiate_seconds = 0.0      # the part of it in capture_end: ending the capture, instantiating
         self.eager_step_seconds = 0.0       # the first (eager) step, first-use costs of the backward included
         self._t_first = None
 
@@ -311,9 +312,12 @@ class StepGraphs:
             try:
                 fn(*args)
             finally:
+                t1 = time.perf_counter()
                 graph.capture_end()
+        t2 = time.perf_counter()
         self.captures += 1
-        self.capture_seconds += time.perf_counter() - t0
+        self.capture_seconds += t2 - t0
+        self.instantiate_seconds += t2 - t1
         return graph
 
     def micro_batch(self, shape_id: int, host_batch: PackedBatch) -> None:
@@ -360,4 +364,6 @@ class StepGraphs:
 
     def summary(self) -> dict:
         return {"shapes_captured": len(self.graphs), "captures": self.captures, "replays": self.replays,
-                "capture_seconds": round(self.capture_seconds, 3), "eager_step_seconds": round(self.eager_step_seconds, 3)}
+                "capture_seconds": round(self.capture_seconds, 3),
+                "instantiate_seconds": round(self.instantiate_seconds, 3),
+                "eager_step_seconds": round(self.eager_step_seconds, 3)}

@@ -52,15 +52,16 @@ def test_trl_anchor_patch_changes_only_the_workload(tmp_path):
 
 @pytest.mark.skipif(not (SHARED_DATA / "hh-rlhf").exists(), reason=f"shared data not present at {SHARED_DATA}")
 def test_step_profile_profiles_the_real_stage_on_cpu(tmp_path):
-    """bench/step_profile.py drives the train_dpo stage with PREFPIPE_PROFILE: the first-step and steady
-    windows come back as tables and a summary, and the run itself completes (tiny shape, CPU). 32 pairs are the 4
-    optimizer steps the two windows need (step 0; steps 2..3); 8 probe pairs, scored outside the windows, keep the
+    """bench/step_profile.py drives the train_dpo stage with PREFPIPE_PROFILE: the first-step, second-step and
+    steady windows come back as tables and a summary, the first two also as Python profiles (--python), and the
+    run itself completes (tiny shape, CPU). 32 pairs are the 4 optimizer steps the windows need (steps 0, 1;
+    steps 2..3); 8 probe pairs, scored outside the windows, keep the
     probe passes (before and after training, and the reference pass) from being most of the test's time."""
     import step_profile
     out = tmp_path / "results" / "profile.json"
     step_profile.main(["--shared", str(SHARED_DATA.parent), "--out", str(out), "--shape", "tiny", "--pairs", "32",
                        "--probe-pairs", "8",
-                       "--variants", "eager", "--profile-start", "2", "--profile-steps", "2",
+                       "--variants", "eager", "--profile-start", "2", "--profile-steps", "2", "--python",
                        "--work", str(tmp_path / "work")])
     result = json.loads(out.read_text())
     (run,) = result["runs"]
@@ -72,6 +73,11 @@ def test_step_profile_profiles_the_real_stage_on_cpu(tmp_path):
     steady = (out.parent / "step_profile_train_dpo_eager_steady.txt").read_text()
     assert "optimizer steps 2..3" in steady and "aten::mm" in steady
     assert "aten::" in (out.parent / "step_profile_train_dpo_eager_first_step.txt").read_text()
+    assert prof["second_step"]["first_step"] == 1 and prof["second_step"]["steps"] == 1
+    assert "optimizer steps 1..1" in (out.parent / "step_profile_train_dpo_eager_second_step.txt").read_text()
+    for name in ("first_step", "second_step"):     # cProfile's tables: the loop's own step function is in them
+        text = (out.parent / f"step_profile_train_dpo_eager_{name}_py.txt").read_text()
+        assert "cumulative" in text and "tottime" in text and "forward_backward" in text
 
 
 def test_shapes_param_counts_and_lora_flops_match_transformers_and_peft():
