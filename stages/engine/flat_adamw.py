@@ -411,7 +411,12 @@ class FlatLowBitAdamW:
             for max_norm in (1.0, 0.0):                      # with and without the clip (CLIP)
                 _norm_and_clip(g, total, partials, norm, divisor, step, bias, max_norm)
             for seg in segs:
-                kernels._adamw8_kernel[(1,)](g, g.clone(), w, codes[0], scales[0], codes[1], scales[1], idx[0],
+                # the master argument as the run passes it: the fp32 masters, or else the weights themselves (a
+                # bf16 pointer there is another specialisation: an fp32 one here left the real variant to compile
+                # inside the first timed step, ~1 s at 7B on an H100)
+                param = g.clone()
+                kernels._adamw8_kernel[(1,)](g, param, w if has_master else param, codes[0], scales[0], codes[1],
+                                             scales[1], idx[0],
                                              idx[1], seg // BLOCK, seg, lr, bias[0], divisor, step, 12345, 0.9, 0.1,
                                              0.999, 0.001, 1e-8, 0.0, HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS,
                                              B=BLOCK, EVEN=True, FAST=kernels.PTX)

@@ -45,6 +45,35 @@ def available(*tensors: torch.Tensor) -> bool:
     return triton is not None and all(t.is_cuda or _INTERPRET for t in tensors)
 
 
+class FirstLaunches:
+    """Records every Triton kernel variant first launched in this process while active (with ... as seen:
+    seen.names): each is a compile, or a load from Triton's disk cache, that a warm-up missed. Triton calls its
+    jit_cache_hook on a kernel's in-process cache miss, before compiling; the hook returns None, so Triton goes on
+    to compile as it would (a truthy return would skip the kernel). A hook already set is called after ours."""
+
+    def __init__(self):
+        self.names: list[str] = []
+        self._knobs = None
+        self._before = None
+
+    def _hook(self, *args, **kwargs):
+        fn = kwargs.get("fn")
+        self.names.append(getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0])
+        return self._before(*args, **kwargs) if self._before is not None else None
+
+    def __enter__(self) -> "FirstLaunches":
+        knobs = getattr(triton, "knobs", None) if triton is not None else None
+        if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+            self._knobs, self._before = knobs, knobs.runtime.jit_cache_hook
+            knobs.runtime.jit_cache_hook = self._hook
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._knobs is not None:
+            self._knobs.runtime.jit_cache_hook = self._before
+            self._knobs = None
+
+
 # ----------------------------------------------------------------------------------------------
 # Rotary embedding of q and k, packed [T, H, D] layout
 # ----------------------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ from stages.engine.objectives import Objective
 from stages.engine.memory_plan import check_fits, estimate as estimate_memory, fewest_checkpointed, read_config
 from stages.engine.optim import LRSchedule, build_optimizer, check_optimizer_settings
 from stages.engine.settings import TrainConfigError, TrainSettings
+from stages.engine import kernels
 from stages.engine.steps import make_steps
 from stages.engine.checkpoint import (CheckpointOptions, agree_on_checkpoint, load_checkpoint, run_header,
                                    save_checkpoint)
@@ -91,7 +92,9 @@ def write_train_log(path: Path, rows: list[dict]) -> None:
 
 # Counts of what this process did (the CUDA-graph shapes it met, captured and replayed): a run resumed after a kill
 # does less of it, so like the timings they go to the perf log, and run_info.json stays the uninterrupted run's bytes.
-PROCESS_HISTORY = frozenset({"shapes_captured", "captures", "replays"})
+# triton_first_launches: the Triton kernel variants this process first launched inside the timed loop (each a compile
+# or a disk-cache load that the warm-ups before the loop missed; CUDA only, [] elsewhere).
+PROCESS_HISTORY = frozenset({"shapes_captured", "captures", "replays", "triton_first_launches"})
 
 
 def split_measurements(info: dict) -> tuple[dict, dict]:
@@ -451,7 +454,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     startup.mark("steps_setup")
     t_train = time.perf_counter()
     first_step = True
-    with steps.loop_context():
+    with steps.loop_context(), kernels.FirstLaunches() as first_launches:
         for plan in plans[state.step:]:
             if profiler is not None:
                 profiler.before_step(state.step)
@@ -479,7 +482,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
                 save(run, ckpt)
     if profiler is not None:
         profiler.finish(state.step)
-    graph_info = steps.finish()
+    graph_info = {**steps.finish(), "triton_first_launches": first_launches.names}
     train_log.close()
     run.live.close(state.step)
     train_seconds = time.perf_counter() - t_train

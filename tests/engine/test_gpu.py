@@ -366,3 +366,48 @@ def test_generation_decode_graphs_equal_eager_decode_on_gpu(temperature):
     assert graphed.cuda_graphs["enabled"] is True, graphed.cuda_graphs
     assert run(False)[1] == tokens
     assert run(True)[1] == tokens
+
+
+def test_first_launches_names_a_kernel_variant_first_launched_inside_it():
+    """kernels.FirstLaunches (the loop's record of warm-up misses) sees Triton's in-process cache miss: a new
+    specialization is named once, its relaunch is not, and the kernel still computes (the hook never skips it)."""
+    import triton
+    import triton.language as tl
+    from stages.engine import kernels
+
+    @triton.jit
+    def _scale_kernel(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) * 2, mask=i < n)
+
+    x = torch.ones(100, device="cuda")
+    with kernels.FirstLaunches() as seen:
+        _scale_kernel[(1,)](x, 100, BLOCK=128)
+        _scale_kernel[(1,)](x, 100, BLOCK=128)
+    assert seen.names == ["_scale_kernel"], seen.names
+    assert torch.equal(x, torch.full_like(x, 4.0))
+    with kernels.FirstLaunches() as seen:               # the hook is removed on exit: a new variant after it is
+        pass                                            # not recorded by the old context
+    _scale_kernel[(1,)](x, 100, BLOCK=256)
+    assert seen.names == []
+
+
+@pytest.mark.parametrize("state", ["exact", "bf16_sr_8bit"])
+def test_graphed_run_launches_no_kernel_variant_its_warm_ups_missed(assets, state):
+    """A fresh process (no kernel launched before the stage's own warm-ups): the timed loop of a graphed run first
+    launches no Triton kernel variant. Each miss would be a compile (or a disk-cache load) inside the first timed
+    step: at 7B on an H100 two such compiles cost ~1.1 s of a 2.0-s eager step (issue 38)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from stage_helpers import REPO_ROOT, stage_args, write_train_params as write_params
+    tmp_path = assets
+    params = write_params(tmp_path / "p.yaml", dpo={"objective": "dpo_ref_free"},
+                          train={"gpus": 1, "precision": "bf16", "cuda_graphs": 8, "optimizer": {"state": state}})
+    out = tmp_path / "run"
+    subprocess.run([sys.executable, "-m", "stages.train_dpo", *stage_args(tmp_path, "--out-dir", out, params)],
+                   cwd=REPO_ROOT, env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, check=True, timeout=600)
+    perf = json.loads((tmp_path / "run.perf.json").read_text())
+    assert perf["cuda_graphs"]["replays"] > 0
+    assert perf["cuda_graphs"]["triton_first_launches"] == [], perf["cuda_graphs"]["triton_first_launches"]
