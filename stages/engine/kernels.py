@@ -57,8 +57,9 @@ class FirstLaunches:
         self._before = None
 
     def _hook(self, *args, **kwargs):
-        fn = kwargs.get("fn")
-        self.names.append(getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0])
+        fn = kwargs.get("fn")                       # its name is qualified: a kernel defined in a function has
+        name = getattr(fn, "name", None) or str(kwargs.get("repr", "?")).split("[")[0]     # "f.<locals>.k"
+        self.names.append(name.rsplit(".", 1)[-1])
         return self._before(*args, **kwargs) if self._before is not None else None
 
     def __enter__(self) -> "FirstLaunches":
