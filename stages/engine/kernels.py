@@ -49,10 +49,12 @@ class FirstLaunches:
     """Records every Triton kernel variant first launched in this process while active (with ... as seen:
     seen.names): each is a compile, or a load from Triton's disk cache, that a warm-up missed. Triton calls its
     jit_cache_hook on a kernel's in-process cache miss, before compiling; the hook returns None, so Triton goes on
-    to compile as it would (a truthy return would skip the kernel). A hook already set is called after ours."""
+    to compile as it would (a truthy return would skip the kernel). A hook already set is called after ours.
+    names stays None where the hook cannot be set (no Triton, or one older than its knobs): nothing was observed,
+    which must not read as "no kernel missed"."""
 
     def __init__(self):
-        self.names: list[str] = []
+        self.names: list[str] | None = None
         self._knobs = None
         self._before = None
 
@@ -67,6 +69,7 @@ class FirstLaunches:
         if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
             self._knobs, self._before = knobs, knobs.runtime.jit_cache_hook
             knobs.runtime.jit_cache_hook = self._hook
+            self.names = []
         return self
 
     def __exit__(self, *exc) -> None:

@@ -93,7 +93,8 @@ def write_train_log(path: Path, rows: list[dict]) -> None:
 # Counts of what this process did (the CUDA-graph shapes it met, captured and replayed): a run resumed after a kill
 # does less of it, so like the timings they go to the perf log, and run_info.json stays the uninterrupted run's bytes.
 # triton_first_launches: the Triton kernel variants this process first launched inside the timed loop (each a compile
-# or a disk-cache load that the warm-ups before the loop missed; CUDA only, [] elsewhere).
+# or a disk-cache load that the warm-ups before the loop missed; None where Triton cannot report them: not importable,
+# or without its jit_cache_hook).
 PROCESS_HISTORY = frozenset({"shapes_captured", "captures", "replays", "triton_first_launches"})
 
 

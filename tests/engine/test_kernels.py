@@ -106,3 +106,22 @@ def test_cpu_calls_keep_hf_code_bit_for_bit(tmp_path, arch):
         cos, sin = torch.rand(1, 5, 8), torch.rand(1, 5, 8)
         for a, b in zip(routed(q, k, cos, sin), routed.prefpipe_original(q, k, cos, sin)):
             assert torch.equal(a, b)
+
+
+def test_first_launches_is_none_where_triton_cannot_report_and_restores_the_hook(monkeypatch):
+    """kernels.FirstLaunches (the loop's record of warm-up misses): with Triton's hook available it starts an empty
+    list and puts back the hook it found; with no Triton (or one without knobs) it records None, never an empty
+    list, which would claim that no kernel was missed when nothing was observed. (Its firing is GPU-only:
+    tests/engine/test_gpu.py.)"""
+    from stages.engine import kernels
+    triton = pytest.importorskip("triton")
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None and hasattr(knobs.runtime, "jit_cache_hook"):
+        before = knobs.runtime.jit_cache_hook
+        with kernels.FirstLaunches() as seen:
+            assert knobs.runtime.jit_cache_hook == seen._hook
+        assert seen.names == [] and knobs.runtime.jit_cache_hook is before
+    monkeypatch.setattr(kernels, "triton", None)
+    with kernels.FirstLaunches() as seen:
+        pass
+    assert seen.names is None
