@@ -3,7 +3,7 @@
     PREFPIPE_PROFILE=DIR torchrun ... -m stages.train_dpo ...      # or train_rm; rank 0 writes DIR
 
 A diagnostic, not a parameter: it changes no result (only timing: the profiled steps synchronize), so
-it is an environment variable and not part of params.yaml / the stage hashes. Two windows:
+it is an environment variable and not part of params.yaml / the stage hashes. Three windows:
   first_step.txt    the run's first optimizer step (CUDA-graph path: the eager step that allocates the
                     gradients and optimizer state), ops by host (CPU) time: the one-off costs;
   second_step.txt   the second (CUDA-graph path: the step that captures its shapes' graphs), by host time;

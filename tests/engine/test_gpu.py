@@ -408,8 +408,7 @@ def test_graphed_run_launches_no_kernel_variant_its_warm_ups_missed(assets, stat
     out = tmp_path / "run"
     subprocess.run([sys.executable, "-m", "stages.train_dpo", *stage_args(tmp_path, "--out-dir", out, params)],
                    cwd=REPO_ROOT, check=True, timeout=600,
-                   env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT),
-                                                                                os.environ.get("PYTHONPATH")]))})
+                   env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])})
     perf = json.loads((tmp_path / "run.perf.json").read_text())
     assert perf["cuda_graphs"]["replays"] > 0
     assert perf["cuda_graphs"]["triton_first_launches"] == [], perf["cuda_graphs"]["triton_first_launches"]
