@@ -531,6 +531,14 @@ def check_flat_warm_up() -> None:
         sums, row = torch.zeros(2, dtype=torch.float64), torch.zeros(3, dtype=torch.float64)
         graphed_optimizer_step(opt, m, settings, lrs, sums, row, flat)
         assert planned == (flat.grad.numel(), [e - s for _, s, e in flat.segments]), (planned, flat.segments)
+        if cls is FlatLowBitAdamW:
+            # the decay group is 97 blocks here: the second segment still starts where its per-block slices are
+            # 16-byte aligned, as the warm-up's scratch is (else a variant the warm-up missed)
+            from stages.engine.flat_adamw import SEGMENT_BLOCKS
+            from stages.engine.lowbit_adamw import BLOCK
+            assert len(flat.segments) == 2, flat.segments
+            for _, s, _ in flat.segments:
+                assert s % (SEGMENT_BLOCKS * BLOCK) == 0 and flat.m_scale[s // BLOCK:].data_ptr() % 16 == 0, s
         big = (2 ** 31 + 2 * 8192, [2 ** 31 + 1024, 8192])
         if cls is FlatMasterAdamW:
             assert cls.warm_up(torch.device("cpu"), torch.bfloat16, big) > 0

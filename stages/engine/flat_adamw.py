@@ -224,6 +224,7 @@ def _launch(grad, param, master, exp_avg, exp_avg_sq, partials, norm, divisor, s
 # ----------------------------------------------------------------------------------------------
 
 TILE_ROWS = kernels.TILE_ROWS          # _adamw8_kernel's launch geometry (stages/engine/kernels.py says why 8)
+SEGMENT_BLOCKS = 4                     # 4 fp32 scales = 16 bytes: Triton's pointer-alignment specialisation (_layout)
 
 
 def step_bytes_per_param(state: str, weight_bytes: int = 2, masters: bool = True) -> float:
@@ -290,6 +291,12 @@ class FlatLowBitAdamW:
         from stages.engine.lowbit_adamw import BLOCK
         entries, segments, offset = [], [], 0
         for gi, group in enumerate(opt.param_groups):
+            # Each segment starts at a multiple of SEGMENT_BLOCKS blocks: its per-block slices (fp32 scales, int32
+            # ordinals and bases) are then 16-byte aligned, as warm_up's scratch buffers are. Triton specialises a
+            # pointer argument on that alignment, so a segment starting at an odd block (a reward model's head
+            # rounds the decay group to 97 blocks) launched a variant no warm-up had compiled, inside the timed
+            # loop (issue 38: seen in perf.json's triton_first_launches).
+            offset = -(-offset // (SEGMENT_BLOCKS * BLOCK)) * (SEGMENT_BLOCKS * BLOCK)
             start = offset
             for t in group["params"]:                     # t: the master (fp32_master_8bit over bf16) or the weight
                 p = opt._model_of.get(id(t), t)
