@@ -12,7 +12,8 @@ it is an environment variable and not part of params.yaml / the stage hashes. Th
   summary.json      per window: host seconds, GPU kernel ms per step, kernels per step.
 PREFPIPE_PROFILE_PY=1 adds <window>_py.txt for the first two windows: Python's cProfile (host time by
 Python function, cumulative and own), which shows what torch.profiler's op table cannot (Triton's compile
-and launch path, autograd's Python, the allocator's first-use time inside an op).
+and launch path, autograd's Python, the allocator's first-use time inside an op). A value these variables
+cannot mean (PREFPIPE_PROFILE_PY other than 0 or 1, a START or STEPS that is not an integer) is refused, naming it.
 """
 from __future__ import annotations
 
@@ -36,6 +37,22 @@ def kernel_summary(events, steps: int) -> dict:
             "kernels_per_step": round(sum(e.count for e in kernels) / steps, 1)}
 
 
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "")
+    try:
+        return int(raw) if raw.strip() else default
+    except ValueError:
+        raise ValueError(f"{name}={raw!r}: not an integer") from None
+
+
+def _env_flag(name: str) -> bool:
+    """"1" on, "0" or unset off; anything else is refused: a typo must not silently turn the profile off."""
+    raw = os.environ.get(name, "").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{name}={raw!r}: expected 1 (on) or 0 (off)")
+    return raw == "1"
+
+
 class StepProfiler:
     """Wraps optimizer steps 0, 1 and [start, start + steps) of the loop in torch.profiler (rank 0)."""
 
@@ -56,9 +73,8 @@ class StepProfiler:
         out = os.environ.get(PROFILE_ENV)
         if not out or not is_main:
             return None
-        start = int(os.environ.get("PREFPIPE_PROFILE_START", "10")) + first_step
-        prof = cls(Path(out), device, start, int(os.environ.get("PREFPIPE_PROFILE_STEPS", "6")),
-                   os.environ.get("PREFPIPE_PROFILE_PY") == "1")
+        start = _env_int("PREFPIPE_PROFILE_START", 10) + first_step
+        prof = cls(Path(out), device, start, _env_int("PREFPIPE_PROFILE_STEPS", 6), _env_flag("PREFPIPE_PROFILE_PY"))
         if first_step:                      # a resumed run's first steps are not the run's first-use steps
             prof.windows.pop(0, None)
             prof.windows.pop(1, None)

@@ -1,0 +1,34 @@
+"""stages/engine/step_profiler.py's environment: a typo in a PREFPIPE_PROFILE_* variable is refused, naming it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.engine.step_profiler import StepProfiler
+
+
+@pytest.mark.parametrize("name,value,message", [("PREFPIPE_PROFILE_PY", "yes", "expected 1 \\(on\\) or 0"),
+                                                ("PREFPIPE_PROFILE_PY", "true", "expected 1 \\(on\\) or 0"),
+                                                ("PREFPIPE_PROFILE_START", "1O", "not an integer"),
+                                                ("PREFPIPE_PROFILE_STEPS", "six", "not an integer")])
+def test_a_typo_in_a_profile_variable_is_refused_naming_it(tmp_path, monkeypatch, name, value, message):
+    monkeypatch.setenv("PREFPIPE_PROFILE", str(tmp_path / "prof"))
+    monkeypatch.setenv(name, value)
+    with pytest.raises(ValueError, match=f"{name}='{value}': {message}"):
+        StepProfiler.from_env(torch.device("cpu"), True, 0)
+
+
+def test_profile_variables_read_as_documented(tmp_path, monkeypatch):
+    monkeypatch.setenv("PREFPIPE_PROFILE", str(tmp_path / "prof"))
+    for name in ("PREFPIPE_PROFILE_PY", "PREFPIPE_PROFILE_START", "PREFPIPE_PROFILE_STEPS"):
+        monkeypatch.delenv(name, raising=False)
+    prof = StepProfiler.from_env(torch.device("cpu"), True, 0)
+    assert not prof.python and prof.windows[10] == ("steady", 6)
+    monkeypatch.setenv("PREFPIPE_PROFILE_PY", "1")
+    monkeypatch.setenv("PREFPIPE_PROFILE_START", "4")
+    monkeypatch.setenv("PREFPIPE_PROFILE_STEPS", "2")
+    prof = StepProfiler.from_env(torch.device("cpu"), True, 3)        # resumed at step 3: no first-use windows
+    assert prof.python and prof.windows == {7: ("steady", 2)}
+    monkeypatch.setenv("PREFPIPE_PROFILE_PY", "0")
+    assert not StepProfiler.from_env(torch.device("cpu"), True, 0).python
+    assert StepProfiler.from_env(torch.device("cpu"), False, 0) is None          # rank 0 only
