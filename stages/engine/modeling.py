@@ -138,10 +138,17 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                                  scale=scaling, window_size=(-1, 0))
     else:
         q_bounds, k_bounds = cu_seq_lens_q.tolist(), cu_k.tolist()   # host tensors on CPU: no device sync
+        # One split per tensor, not a slice per segment: a slice's backward is a zero tensor of the whole packed
+        # row with its segment copied in, and autograd then adds one such tensor per segment (a 64-segment batch
+        # did 64 full-row fills and adds per q, k and v per layer: a fifth of a CPU step). The split's backward is
+        # one cat. The gradient values are the same (each row's from its one segment; only the sign of an exact
+        # zero could differ, which no result depends on: tests/workflow/test_pipeline_e2e.py's golden record).
+        q_parts, k_parts, v_parts = (_segments(x, bounds) for x, bounds in ((q, q_bounds), (k, k_bounds),
+                                                                            (v, k_bounds)))
         outs = []
-        for i in range(len(q_bounds) - 1):
-            qs = q[q_bounds[i]:q_bounds[i + 1]].transpose(0, 1)        # [H, Lq, D]
-            ks, vs = (x[k_bounds[i]:k_bounds[i + 1]].transpose(0, 1) for x in (k, v))
+        for q_seg, k_seg, v_seg in zip(q_parts, k_parts, v_parts):
+            qs = q_seg.transpose(0, 1)                                  # [H, Lq, D]
+            ks, vs = k_seg.transpose(0, 1), v_seg.transpose(0, 1)
             lq, lk = qs.shape[1], ks.shape[1]
             if lq == 0:             # an empty segment (a padded batch's filler sequence) has no output rows
                 continue
@@ -154,6 +161,13 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
             outs.append(o.transpose(0, 1))
         out = torch.cat(outs, dim=0)
     return out.unsqueeze(0), None
+
+
+def _segments(x: torch.Tensor, bounds: list[int]) -> tuple[torch.Tensor, ...]:
+    """x[bounds[i]:bounds[i + 1]] for each segment i, as one split of dim 0 (rows outside the bounds, a padded
+    batch's tail, are split off and dropped)."""
+    sizes = [bounds[0], *(b - a for a, b in zip(bounds, bounds[1:])), x.shape[0] - bounds[-1]]
+    return x.split(sizes)[1:-1]
 
 
 # RMSNorm classes whose forward is exactly weight * (x / rms(x)) with eps inside the root (HF's own code).
