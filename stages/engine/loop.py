@@ -415,6 +415,7 @@ def train(objective: Objective, settings: TrainSettings, env: DistEnv, *, model_
     the stage like train_log.csv; None: none. tensorboard_dir: TensorBoard's (untracked), written only when
     train.tensorboard is true."""
     t_start = time.perf_counter()
+    StepProfiler.request()                      # a PREFPIPE_PROFILE_* typo is refused before any weight is read
     if settings.tensorboard:
         tensorboard_writer_class()              # refused on every rank before any weight is read, naming the key
     ckpt = checkpoint or CheckpointOptions(directory=None, resume="never")

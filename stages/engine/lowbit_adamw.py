@@ -304,6 +304,55 @@ class LowBitAdamW(torch.optim.Optimizer):
             SR=self.state_mode == "bf16_sr_8bit" and target.dtype == torch.bfloat16, ROWS=TILE_ROWS, B=BLOCK,
             EVEN=n % BLOCK == 0, FAST=kernels.PTX)     # a tensor ending inside its last block: the element mask
 
+    def eager_cuda_variants(self) -> list[tuple]:
+        """The _adamw8_kernel specialisations _update_cuda will launch, one per distinct (gradient and model
+        dtype, weight dtype, HAS_MASTER, SR, EVEN): what the launch's dtypes and constexprs differ by. Its integer
+        arguments are not specialised (do_not_specialize), and its pointers are all separate allocations (16-byte
+        aligned), as are the warm-up's."""
+        variants = set()
+        for group in self.param_groups:
+            for p in group["params"]:            # as _update reads them: p the optimizer's, model the bf16 copy
+                model = self._model_of.get(id(p))
+                w_t = _local(p)
+                target = _local(model) if model is not None else w_t
+                if w_t.numel():
+                    variants.add((target.dtype, w_t.dtype, model is not None,
+                                  self.state_mode == "bf16_sr_8bit" and target.dtype == torch.bfloat16,
+                                  w_t.numel() % BLOCK == 0))
+        return sorted(variants, key=str)
+
+    @torch.no_grad()
+    def warm_up_cuda(self) -> float:
+        """Compile (or load from Triton's disk cache) every kernel variant of the eager GPU step before the timed
+        loop, on scratch buffers; without it each compiled inside the first step (issue 38: seen in the perf
+        record's triton_first_launches, e.g. EVEN True and False on any model with a tensor ending inside a
+        block). Returns the seconds spent; 0 off the GPU."""
+        import time
+
+        from stages.engine import kernels
+        if not self.model_params or not _local(self.model_params[0]).is_cuda or kernels.triton is None:
+            return 0.0
+        t0 = time.perf_counter()
+        device = _local(self.model_params[0]).device
+        rows = kernels.TILE_ROWS
+        for model_dtype, w_dtype, master, sr, even in self.eager_cuda_variants():
+            n = rows * BLOCK if even else rows * BLOCK - 1      # EVEN False: the last block ends early
+            g = torch.zeros(n, dtype=model_dtype, device=device)
+            target = torch.zeros(n, dtype=model_dtype, device=device)
+            w = torch.zeros(n, dtype=w_dtype, device=device) if master else target
+            codes = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
+            scales = [torch.zeros(rows, dtype=torch.float32, device=device) for _ in range(2)]
+            ordinals = torch.zeros(rows, dtype=torch.int32, device=device)
+            bases = torch.arange(rows, dtype=torch.int32, device=device) * BLOCK
+            lr, div, step = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
+            bias = torch.tensor([0.0, 0.0, 0.9, 0.999, 0.1, 0.1], dtype=torch.float64, device=device)
+            kernels._adamw8_kernel[(1,)](
+                g, target, w, codes[0], scales[0], codes[1], scales[1], ordinals, bases, rows, n, lr, bias, div,
+                step, self.seed, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, HAS_MASTER=master, SR=sr, ROWS=rows, B=BLOCK,
+                EVEN=even, FAST=kernels.PTX)
+        torch.cuda.synchronize(device)
+        return time.perf_counter() - t0
+
     @torch.no_grad()
     def step(self, closure=None, grad_divisor: torch.Tensor | None = None):
         self.begin_step()

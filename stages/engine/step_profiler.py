@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from stages.engine.settings import TrainConfigError
+
 PROFILE_ENV = "PREFPIPE_PROFILE"
 
 
@@ -42,14 +44,14 @@ def _env_int(name: str, default: int) -> int:
     try:
         return int(raw) if raw.strip() else default
     except ValueError:
-        raise ValueError(f"{name}={raw!r}: not an integer") from None
+        raise TrainConfigError(f"{name}={raw!r}: not an integer") from None
 
 
 def _env_flag(name: str) -> bool:
     """"1" on, "0" or unset off; anything else is refused: a typo must not silently turn the profile off."""
     raw = os.environ.get(name, "").strip()
     if raw not in ("", "0", "1"):
-        raise ValueError(f"{name}={raw!r}: expected 1 (on) or 0 (off)")
+        raise TrainConfigError(f"{name}={raw!r}: expected 1 (on) or 0 (off)")
     return raw == "1"
 
 
@@ -68,13 +70,29 @@ class StepProfiler:
         self.active: tuple[str, int, int, float, object, cProfile.Profile | None] | None = None
         self.summary: dict = {}
 
+    @staticmethod
+    def request() -> tuple[Path, int, int, bool] | None:
+        """(folder, steady start, steady steps, Python profile) that PREFPIPE_PROFILE and its companions ask for,
+        None without PREFPIPE_PROFILE; a typo in any of them is refused (TrainConfigError naming it: one line, exit
+        1). The loop calls this before the model is loaded, on every rank, so a typo costs seconds, not a load and a
+        step-0 probe."""
+        out = os.environ.get(PROFILE_ENV)
+        if not out:
+            return None
+        start, steps = _env_int("PREFPIPE_PROFILE_START", 10), _env_int("PREFPIPE_PROFILE_STEPS", 6)
+        python = _env_flag("PREFPIPE_PROFILE_PY")
+        if start < 2 or steps < 1:
+            raise TrainConfigError(f"PREFPIPE_PROFILE_START={start}, PREFPIPE_PROFILE_STEPS={steps}: the steady window "
+                             "must start after the second step (at step >= 2) and hold >= 1 step")
+        return Path(out), start, steps, python
+
     @classmethod
     def from_env(cls, device: torch.device, is_main: bool, first_step: int) -> "StepProfiler | None":
-        out = os.environ.get(PROFILE_ENV)
-        if not out or not is_main:
+        asked = cls.request()
+        if asked is None or not is_main:
             return None
-        start = _env_int("PREFPIPE_PROFILE_START", 10) + first_step
-        prof = cls(Path(out), device, start, _env_int("PREFPIPE_PROFILE_STEPS", 6), _env_flag("PREFPIPE_PROFILE_PY"))
+        out, start, steps, python = asked
+        prof = cls(out, device, start + first_step, steps, python)
         if first_step:                      # a resumed run's first steps are not the run's first-use steps
             prof.windows.pop(0, None)
             prof.windows.pop(1, None)

@@ -235,3 +235,20 @@ def test_chunked_update_is_the_whole_tensor_update_bitwise(monkeypatch, state, b
     monkeypatch.setattr(lowbit, "CHUNK", 3 * BLOCK)
     chunked, _ = _run_mode(state, w0, grads, 1e-3, 0.01, bf16)
     assert torch.equal(whole, chunked)
+
+
+def test_eager_cuda_variants_are_what_the_per_tensor_launches_differ_by():
+    """warm_up_cuda compiles these before the loop: one per (model dtype, weight dtype, HAS_MASTER, SR, EVEN) over
+    the optimizer's tensors, a tensor ending inside its last block (EVEN False) beside whole-block ones."""
+    whole, ragged, bias = (torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2 * BLOCK, BLOCK + 3, 5))
+    groups = [{"params": [whole, ragged]}, {"params": [bias], "weight_decay": 0.0}]
+    masters = {id(p): p.detach().float() for p in (whole, ragged, bias)}
+    opt = LowBitAdamW(groups, "fp32_master_8bit", seed=1, masters=masters, lr=1e-3)
+    assert opt.eager_cuda_variants() == sorted([(torch.bfloat16, torch.float32, True, False, True),
+                                                (torch.bfloat16, torch.float32, True, False, False)], key=str)
+    sr = LowBitAdamW([{"params": [whole]}], "bf16_sr_8bit", seed=1, lr=1e-3)
+    assert sr.eager_cuda_variants() == [(torch.bfloat16, torch.bfloat16, False, True, True)]
+    fp32 = torch.nn.Parameter(torch.zeros(BLOCK + 1))
+    assert LowBitAdamW([{"params": [fp32]}], "fp32_master_8bit", seed=1, lr=1e-3).eager_cuda_variants() == [
+        (torch.float32, torch.float32, False, False, False)]
+    assert opt.warm_up_cuda() == 0.0                    # off the GPU: nothing to compile

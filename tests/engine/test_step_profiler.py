@@ -32,3 +32,20 @@ def test_profile_variables_read_as_documented(tmp_path, monkeypatch):
     monkeypatch.setenv("PREFPIPE_PROFILE_PY", "0")
     assert not StepProfiler.from_env(torch.device("cpu"), True, 0).python
     assert StepProfiler.from_env(torch.device("cpu"), False, 0) is None          # rank 0 only
+
+
+def test_a_stage_refuses_a_profile_typo_in_one_line_before_loading_the_model(assets):
+    """The check runs first in the loop (StepProfiler.request): the refusal names the variable, exit 1 without a
+    traceback, and no weight was read (no step-0 probe in the log)."""
+    import os
+    import subprocess
+    import sys
+    from stage_helpers import REPO_ROOT, stage_args, write_train_params
+    params = write_train_params(assets / "p.yaml")
+    out = assets / "run"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "PREFPIPE_PROFILE": str(assets / "prof"),
+           "PREFPIPE_PROFILE_PY": "yes"}
+    r = subprocess.run([sys.executable, "-m", "stages.train_rm", *stage_args(assets, "--out-dir", out, params)],
+                       cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "PREFPIPE_PROFILE_PY='yes'" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert "probe step0" not in r.stderr and not (assets / "prof").exists()
