@@ -94,7 +94,7 @@ MEASURED_COST_S = {
     "tests/engine/test_checkpoint.py": 125,
     "tests/workflow/test_targeted_run.py": 125,
     "tests/engine/test_optimizer_modes.py": 120,
-    "tests/workflow/test_dvclive_exp.py": 110,
+    "tests/workflow/test_dvclive_exp.py": 55,
     "tests/stages/test_report.py": 105,
     "tests/workflow/test_pipeline_e2e.py": 95,
     "tests/engine/test_portable_numerics.py": 95,
