@@ -545,6 +545,15 @@ def check_flat_warm_up() -> None:
         else:
             assert cls.warm_up(torch.device("cpu"), torch.bfloat16, False, True, big) > 0
         flat.release()
+    # The eager 8-bit step's warm-up (LowBitAdamW.warm_up_cuda, before the loop of a DDP, FSDP2 or cuda_graphs 0 run):
+    # each variant's launch, here as it runs on a GPU, with ragged tensors (EVEN False) beside whole blocks.
+    from stages.engine.lowbit_adamw import BLOCK, LowBitAdamW
+    for state in ("fp32_master_8bit", "bf16_sr_8bit"):
+        ps = [torch.nn.Parameter(torch.zeros(n, dtype=torch.bfloat16)) for n in (2 * BLOCK, BLOCK + 3)]
+        masters = {id(p): p.detach().float() for p in ps} if state == "fp32_master_8bit" else None
+        opt = LowBitAdamW([{"params": ps}], state, seed=3, masters=masters, lr=1e-3)
+        assert [v[-1] for v in opt.eager_cuda_variants()] == [False, True], opt.eager_cuda_variants()
+        assert opt.launch_eager_variants(torch.device("cpu")) > 0
     print("flat warm-up ok")
 
 

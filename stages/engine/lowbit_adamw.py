@@ -327,13 +327,19 @@ class LowBitAdamW(torch.optim.Optimizer):
         loop, on scratch buffers; without it each compiled inside the first step (issue 38: seen in the perf
         record's triton_first_launches, e.g. EVEN True and False on any model with a tensor ending inside a
         block). Returns the seconds spent; 0 off the GPU."""
-        import time
-
         from stages.engine import kernels
         if not self.model_params or not _local(self.model_params[0]).is_cuda or kernels.triton is None:
             return 0.0
+        return self.launch_eager_variants(_local(self.model_params[0]).device)
+
+    @torch.no_grad()
+    def launch_eager_variants(self, device: torch.device) -> float:
+        """warm_up_cuda's launches on `device` (CUDA; or CPU under Triton's interpreter, where
+        tests/triton_interpret_checks.py runs them); returns the seconds spent."""
+        import time
+
+        from stages.engine import kernels
         t0 = time.perf_counter()
-        device = _local(self.model_params[0]).device
         rows = kernels.TILE_ROWS
         for model_dtype, w_dtype, master, sr, even in self.eager_cuda_variants():
             n = rows * BLOCK if even else rows * BLOCK - 1      # EVEN False: the last block ends early
@@ -350,7 +356,8 @@ class LowBitAdamW(torch.optim.Optimizer):
                 g, target, w, codes[0], scales[0], codes[1], scales[1], ordinals, bases, rows, n, lr, bias, div,
                 step, self.seed, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, HAS_MASTER=master, SR=sr, ROWS=rows, B=BLOCK,
                 EVEN=even, FAST=kernels.PTX)
-        torch.cuda.synchronize(device)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         return time.perf_counter() - t0
 
     @torch.no_grad()
