@@ -323,10 +323,11 @@ class LowBitAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def warm_up_cuda(self) -> float:
-        """Compile (or load from Triton's disk cache) every kernel variant of the eager GPU step before the timed
-        loop, on scratch buffers; without it each compiled inside the first step (issue 38: seen in the perf
-        record's triton_first_launches, e.g. EVEN True and False on any model with a tensor ending inside a
-        block). Returns the seconds spent; 0 off the GPU."""
+        """Compile (or load from Triton's disk cache) every kernel variant of the eager GPU step, on scratch
+        buffers: for EagerSteps to call before its timed loop, where each variant now compiles inside the first step
+        (issue 38: seen in the perf record's triton_first_launches, EVEN True and False on any model with a tensor
+        ending inside a block). Not called yet: the call waits on a GPU gate (its launches are checked on CPU under
+        Triton's interpreter only). Returns the seconds spent; 0 off the GPU."""
         from stages.engine import kernels
         if not self.model_params or not _local(self.model_params[0]).is_cuda or kernels.triton is None:
             return 0.0
