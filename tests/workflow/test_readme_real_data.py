@@ -1,6 +1,7 @@
 """README "Using real data" runs as written: its YAML block applied to a copy of the checkout's params.yaml (and
-train.max_steps: 4, to keep CI short), then its command (`python workflow/sync_dvc.py && snakemake --cores 2`), on the real HH-RLHF file beside the
-checkout and the default (embedded) reference, offline. The numbers the section states are checked too.
+training capped: cap_training_steps, to keep CI short), then its command (`python workflow/sync_dvc.py && snakemake
+--cores 2`), on the real HH-RLHF file beside the checkout and the default (embedded) reference, offline. The numbers
+the section states are checked too.
 
 Skips when ../shared/data is absent (a fresh clone without it).
 """
@@ -14,7 +15,7 @@ import pytest
 import yaml
 
 from conftest import HH_RLHF, REPO_ROOT, SHARED_DATA
-from pipeline_helpers import copy_checkout, sh
+from pipeline_helpers import cap_training_steps, copy_checkout, sh
 
 
 def readme_real_data_blocks() -> tuple[str, str]:
@@ -61,11 +62,11 @@ def test_readme_real_data_section_runs_as_written(tmp_path):
     (tmp_path / "shared" / "data").symlink_to(SHARED_DATA.resolve(), target_is_directory=True)
     copy_checkout(repo)
     params = apply_block(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(block))
-    # Training capped at a few optimizer steps (cap_training_steps' reason): what this checks is the data path on
-    # real rows, the stages' chain and what the section states, none of which depends on how long it trains. The
-    # whole run costs ~280 CPU-s, two thirds of it training; the suite is CPU-bound on 2 cores.
-    params["train"]["max_steps"] = 4
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    # Training capped at a few optimizer steps: what this checks is the data path on real rows, the stages' chain and
+    # what the section states, none of which depends on how long it trains. The whole run costs ~280 CPU-s, two
+    # thirds of it training; the suite is CPU-bound on 2 cores.
+    cap_training_steps(repo)
 
     sh("bash", "-euo", "pipefail", "-c", command, cwd=repo)
 
