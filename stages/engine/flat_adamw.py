@@ -405,13 +405,9 @@ class FlatLowBitAdamW:
         one program of TILE_ROWS blocks, the run's block and value counts)."""
         from stages.engine.lowbit_adamw import BLOCK
         t0 = time.perf_counter()
-        n = max(2 * BLOCK, TILE_ROWS * BLOCK, NORM_BLOCK)
+        n = max(2 * BLOCK, NORM_BLOCK)
         g = torch.zeros(n, dtype=dtype, device=device)
-        w = torch.zeros(n, dtype=torch.float32, device=device)
-        codes = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
-        scales = [torch.zeros(TILE_ROWS, dtype=torch.float32, device=device) for _ in range(2)]
-        idx = [torch.zeros(TILE_ROWS, dtype=torch.int32, device=device) for _ in range(2)]
-        norm, divisor, step, lr = (torch.ones((), dtype=torch.float32, device=device) for _ in range(4))
+        norm, divisor, step = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
         partials = torch.zeros(1, dtype=torch.float32, device=device)
         bias = torch.tensor([[1.0, 1.0, 0.9, 0.999, 0.1, 0.1]], dtype=torch.float64, device=device)
         for total, segs in [(2 * BLOCK, [2 * BLOCK])] + ([sizes] if sizes else []):
@@ -421,12 +417,8 @@ class FlatLowBitAdamW:
                 # the master argument as the run passes it: the fp32 masters, or else the weights themselves (a
                 # bf16 pointer there is another specialisation: an fp32 one here left the real variant to compile
                 # inside the first timed step, ~1 s at 7B on an H100)
-                param = g.clone()
-                kernels._adamw8_kernel[(1,)](g, param, w if has_master else param, codes[0], scales[0], codes[1],
-                                             scales[1], idx[0],
-                                             idx[1], seg // BLOCK, seg, lr, bias[0], divisor, step, 12345, 0.9, 0.1,
-                                             0.999, 0.001, 1e-8, 0.0, HAS_MASTER=has_master, SR=sr, ROWS=TILE_ROWS,
-                                             B=BLOCK, EVEN=True, FAST=kernels.PTX)
+                kernels.launch_adamw8_scratch(device, dtype, torch.float32, has_master, sr, True, seg // BLOCK, seg,
+                                              BLOCK, 12345)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0

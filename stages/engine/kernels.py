@@ -641,6 +641,30 @@ def silu_mul(gate, up):
     return SiluMul.apply(gate, up)
 
 
+def launch_adamw8_scratch(device: torch.device, model_dtype: torch.dtype, master_dtype: torch.dtype, has_master: bool,
+                          sr: bool, even: bool, n_blocks: int, n: int, block: int, seed: int) -> None:
+    """One launch of _adamw8_kernel (one program of TILE_ROWS blocks) on scratch buffers, with the argument types of
+    a run's launch: the gradient and weight in the model dtype, the master in its own (or the weight itself when
+    there is none), every pointer a separate allocation (Triton specialises on 16-byte alignment), and the run's
+    n_blocks and n (an int's type, i32 or i64, is part of the variant even where it is not specialised). Only the
+    first TILE_ROWS blocks are touched whatever n_blocks says. For the warm-ups of the flat and the per-tensor
+    8-bit steps (flat_adamw.FlatLowBitAdamW.warm_up, lowbit_adamw.LowBitAdamW.launch_eager_variants): one place,
+    so the two cannot drift apart in what they launch."""
+    size = TILE_ROWS * block
+    grad = torch.zeros(size, dtype=model_dtype, device=device)
+    param = torch.zeros(size, dtype=model_dtype, device=device)
+    master = torch.zeros(size, dtype=master_dtype, device=device) if has_master else param
+    codes = [torch.zeros(size, dtype=torch.uint8, device=device) for _ in range(2)]
+    scales = [torch.zeros(TILE_ROWS, dtype=torch.float32, device=device) for _ in range(2)]
+    ordinals = torch.zeros(TILE_ROWS, dtype=torch.int32, device=device)
+    bases = torch.arange(TILE_ROWS, dtype=torch.int32, device=device) * block
+    lr, divisor, step = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
+    bias = torch.tensor([0.0, 0.0, 0.9, 0.999, 0.1, 0.1], dtype=torch.float64, device=device)
+    _adamw8_kernel[(1,)](grad, param, master, codes[0], scales[0], codes[1], scales[1], ordinals, bases, n_blocks, n,
+                         lr, bias, divisor, step, seed, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, HAS_MASTER=has_master,
+                         SR=sr, ROWS=TILE_ROWS, B=block, EVEN=even, FAST=PTX)
+
+
 def warm_up(device: torch.device, dtype: torch.dtype, n_heads_q: int, n_heads_k: int, head_dim: int,
             cos_dtype: torch.dtype | None = None) -> float:
     """Compile (or load from Triton's disk cache) every kernel variant a training run of this shape

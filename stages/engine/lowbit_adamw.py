@@ -326,8 +326,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         """Compile (or load from Triton's disk cache) every kernel variant of the eager GPU step, on scratch
         buffers: for EagerSteps to call before its timed loop, where each variant now compiles inside the first step
         (issue 38: seen in the perf record's triton_first_launches, EVEN True and False on any model with a tensor
-        ending inside a block). Not called yet: the call waits on a GPU gate (its launches are checked on CPU under
-        Triton's interpreter only). Returns the seconds spent; 0 off the GPU."""
+        ending inside a block). Its launches are also checked on CPU under Triton's interpreter
+        (tests/triton_interpret_checks.py). Returns the seconds spent; 0 off the GPU."""
         from stages.engine import kernels
         if not self.model_params or not _local(self.model_params[0]).is_cuda or kernels.triton is None:
             return 0.0
@@ -344,19 +344,7 @@ class LowBitAdamW(torch.optim.Optimizer):
         rows = kernels.TILE_ROWS
         for model_dtype, w_dtype, master, sr, even in self.eager_cuda_variants():
             n = rows * BLOCK if even else rows * BLOCK - 1      # EVEN False: the last block ends early
-            g = torch.zeros(n, dtype=model_dtype, device=device)
-            target = torch.zeros(n, dtype=model_dtype, device=device)
-            w = torch.zeros(n, dtype=w_dtype, device=device) if master else target
-            codes = [torch.zeros(n, dtype=torch.uint8, device=device) for _ in range(2)]
-            scales = [torch.zeros(rows, dtype=torch.float32, device=device) for _ in range(2)]
-            ordinals = torch.zeros(rows, dtype=torch.int32, device=device)
-            bases = torch.arange(rows, dtype=torch.int32, device=device) * BLOCK
-            lr, div, step = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
-            bias = torch.tensor([0.0, 0.0, 0.9, 0.999, 0.1, 0.1], dtype=torch.float64, device=device)
-            kernels._adamw8_kernel[(1,)](
-                g, target, w, codes[0], scales[0], codes[1], scales[1], ordinals, bases, rows, n, lr, bias, div,
-                step, self.seed, 0.9, 0.1, 0.999, 0.001, 1e-8, 0.0, HAS_MASTER=master, SR=sr, ROWS=rows, B=BLOCK,
-                EVEN=even, FAST=kernels.PTX)
+            kernels.launch_adamw8_scratch(device, model_dtype, w_dtype, master, sr, even, rows, n, BLOCK, self.seed)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         return time.perf_counter() - t0

@@ -59,9 +59,7 @@ class StepProfiler:
     """Wraps optimizer steps 0, 1 and [start, start + steps) of the loop in torch.profiler (rank 0)."""
 
     def __init__(self, out_dir: Path, device: torch.device, start: int = 10, steps: int = 6, python: bool = False):
-        if start < 2 or steps < 1:
-            raise ValueError(f"{PROFILE_ENV}: the steady window must start after the second step (at step >= 2) "
-                             "and hold >= 1 step")
+        # start >= 2 and steps >= 1: request() refused anything else, before the model was loaded
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.device = device
@@ -82,8 +80,8 @@ class StepProfiler:
         start, steps = _env_int("PREFPIPE_PROFILE_START", 10), _env_int("PREFPIPE_PROFILE_STEPS", 6)
         python = _env_flag("PREFPIPE_PROFILE_PY")
         if start < 2 or steps < 1:
-            raise TrainConfigError(f"PREFPIPE_PROFILE_START={start}, PREFPIPE_PROFILE_STEPS={steps}: the steady window "
-                             "must start after the second step (at step >= 2) and hold >= 1 step")
+            raise TrainConfigError(f"PREFPIPE_PROFILE_START={start}, PREFPIPE_PROFILE_STEPS={steps}: the steady "
+                                   "window must start after the second step (at step >= 2) and hold >= 1 step")
         return Path(out), start, steps, python
 
     @classmethod

@@ -102,6 +102,10 @@ class EagerSteps:
         self.model, self.objective, self.optimizer, self.settings, self.env = model, objective, optimizer, settings, env
         self.filler = filler
         self.info = {"enabled": False, "reason": reason}
+        if isinstance(optimizer, LowBitAdamW) and env.device.type == "cuda":
+            # its per-tensor kernel's variants compile here, not inside the first timed step
+            self.info["optimizer"] = {"kind": "triton_adamw_8bit_per_tensor",
+                                      "warmup_seconds": round(optimizer.warm_up_cuda(), 3)}
         # train.optimizer.fused_backward: the step runs inside backward (one micro-batch a step, no clip, one
         # process: optim.check_optimizer_settings refused the rest before the model was loaded)
         self.fused = FusedBackwardStep(optimizer, module if module is not None else model) if settings.fused_backward else None
