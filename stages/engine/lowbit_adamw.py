@@ -324,7 +324,7 @@ class LowBitAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def warm_up_cuda(self) -> float:
         """Compile (or load from Triton's disk cache) every kernel variant of the eager GPU step, on scratch
-        buffers: for EagerSteps to call before its timed loop, where each variant now compiles inside the first step
+        buffers; EagerSteps calls it before its timed loop. Without it each variant compiled inside the first step
         (issue 38: seen in the perf record's triton_first_launches, EVEN True and False on any model with a tensor
         ending inside a block). Its launches are also checked on CPU under Triton's interpreter
         (tests/triton_interpret_checks.py). Returns the seconds spent; 0 off the GPU."""

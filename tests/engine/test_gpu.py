@@ -400,11 +400,11 @@ def test_first_launches_names_a_kernel_variant_first_launched_inside_it():
                                                 ("train_dpo", "bf16_sr_8bit", 0), ("train_rm", "fp32_master_8bit", 0)])
 def test_a_gpu_run_launches_no_kernel_variant_its_warm_ups_missed(assets, stage, state, graphs):
     """A fresh process (no kernel launched before the stage's own warm-ups): the timed loop of a run, graphed or
-    eager, first launches no Triton kernel variant. Each miss would be a compile (or a disk-cache load) inside the first timed
-    step: at 7B on an H100 two such compiles cost ~1.1 s of a 2.0-s eager step (issue 38). The reward model's head
-    once put the 8-bit optimizer's second segment at an odd block, an unaligned pointer no warm-up had launched.
-    The eager 8-bit step (graphs 0; also every DDP and FSDP2 run) launches one kernel per tensor: EVEN True and False
-    there were first launched in the loop until LowBitAdamW.warm_up_cuda."""
+    eager, first launches no Triton kernel variant. Each miss would be a compile (or a disk-cache load) inside the
+    first timed step: at 7B on an H100 two such compiles cost ~1.1 s of a 2.0-s eager step (issue 38). The reward
+    model's head once put the 8-bit optimizer's second segment at an odd block, an unaligned pointer no warm-up had
+    launched. The eager 8-bit step (graphs 0; also every DDP and FSDP2 run) launches one kernel per tensor: EVEN
+    True and False there were first launched in the loop until LowBitAdamW.warm_up_cuda."""
     import json
     import os
     import subprocess

@@ -64,8 +64,9 @@ def test_readme_real_data_section_runs_as_written(tmp_path):
     params = apply_block(yaml.safe_load((repo / "params.yaml").read_text()), yaml.safe_load(block))
     (repo / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     # Training capped at a few optimizer steps: what this checks is the data path on real rows, the stages' chain and
-    # what the section states, none of which depends on how long it trains. The whole run costs ~280 CPU-s, two
-    # thirds of it training; the suite is CPU-bound on 2 cores.
+    # what the section states, none of which depends on how long it trains. Uncapped, the whole run cost ~280 CPU-s,
+    # two thirds of it training (capped: ~160-180, much of it the probe and reference log-prob passes); the suite is
+    # CPU-bound on 2 cores.
     cap_training_steps(repo)
 
     sh("bash", "-euo", "pipefail", "-c", command, cwd=repo)
