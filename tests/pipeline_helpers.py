@@ -68,6 +68,17 @@ def cap_training_steps(repo: Path, steps: int = 4) -> None:
     path.write_text(text.replace("\ntrain:\n", f"\ntrain:\n  max_steps: {steps}\n", 1))
 
 
+def shrink_probe(repo: Path, size: int = 64) -> None:
+    """probe.size: `size` in the repo's params.yaml (512 by default): for the same tests as cap_training_steps,
+    which check how the workflow runs, not what the probe measures. The probe passes of every training stage,
+    generate, judge and evaluate scale with it (a capped run's stages took ~16 s less at 64). The caller runs
+    sync_dvc.py after it."""
+    path = repo / "params.yaml"
+    text = path.read_text()
+    assert "\nprobe:\n  size: 512\n" in text
+    path.write_text(text.replace("\nprobe:\n  size: 512\n", f"\nprobe:\n  size: {size}\n", 1))
+
+
 def dvc_changed_stages(repo: Path) -> set[str]:
     status = json.loads(sh("dvc", "status", "--json", cwd=repo).strip().splitlines()[-1] or "{}")
     return {name.split(":")[-1] for name in status}

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline_helpers import cap_training_steps, commit, copy_checkout, dvc_changed_stages, sh
+from pipeline_helpers import cap_training_steps, commit, copy_checkout, dvc_changed_stages, sh, shrink_probe
 
 pytestmark = pytest.mark.slow
 
@@ -66,8 +66,10 @@ def test_runs_compare_across_commits_and_experiments(tmp_path):
     text = (repo / "params.yaml").read_text()
     (repo / "params.yaml").write_text(text.replace(f"path: {embedded}", f"path: ../ext/{Path(embedded).name}", 1))
     # Moving the source reruns every stage (each pair records its file): a few optimizer steps per training stage,
-    # since what is compared here is DVC's view of two commits and an experiment, not how well they trained.
+    # and a 64-pair probe, since what is compared here is DVC's view of two commits and an experiment, not how well
+    # they trained or what the probe says.
     cap_training_steps(repo)
+    shrink_probe(repo)
     sh(sys.executable, "workflow/sync_dvc.py", cwd=repo)
     dvc_yaml = yaml.safe_load((repo / "dvc.yaml").read_text())
     # Each plot defined once: the top-level definition, no stage-level `plots:`.

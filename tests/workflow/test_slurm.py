@@ -1,7 +1,7 @@
 """Slurm: the training launch line (workflow/launch.py) and, under a real throwaway Slurm started on this
 machine (tests/slurm_cluster.py, two slurmd "nodes"), the default pipeline through Snakemake's Slurm
-executor with the committed profile (then train_rm again with slurm.nodes: 2, as one 2-node job through
-the plugin), and a 2-node CPU training job launched the multi-node way (srun + torchrun --nnodes 2 + c10d,
+executor with the committed profile and slurm.nodes: 2 (each training stage one 2-node job through the
+plugin), and a 2-node CPU training job launched the multi-node way (srun + torchrun --nnodes 2 + c10d,
 gloo) that equals the one-process result as the DP=2 tests require.
 """
 from __future__ import annotations
@@ -17,7 +17,7 @@ import yaml
 from conftest import REPO_ROOT
 from engine_helpers import make_tiny_model_dir, toy_task_rows, write_token_parquet
 from slurm_cluster import SlurmCluster, SlurmUnavailable
-from pipeline_helpers import cap_training_steps, copy_checkout, dvc_changed_stages
+from pipeline_helpers import cap_training_steps, copy_checkout, dvc_changed_stages, shrink_probe
 from stage_helpers import assert_same_training, stage_args, torchrun, write_train_params
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
@@ -155,8 +155,16 @@ FIRST_CHECK = "10"
 @pytest.mark.slow
 def test_default_pipeline_through_the_slurm_executor(slurm, tmp_path):
     repo = copy_checkout(tmp_path / "repo")
-    # Every stage as a Slurm job is what is checked, not the training: a few optimizer steps each (minutes less).
+    # Every stage as a Slurm job is what is checked, not the training: a few optimizer steps each and a 64-pair
+    # probe (the probe passes, generate and judge are most of a capped run's stage time).
     cap_training_steps(repo)
+    shrink_probe(repo)
+    # slurm.nodes: 2 from the start (one run, not a one-node run then a 2-node rerun of the trainers: a minute of
+    # mostly waiting on status checks less): every training stage is one job on both nodes through the plugin's
+    # mpi mode (the jobstep drops SLURM_JOB_NODELIST, so the endpoint lookup asks the controller), the others one
+    # node each.
+    params = repo / "params.yaml"
+    params.write_text(params.read_text().replace("\n  nodes: 1\n", "\n  nodes: 2\n", 1))
     run([sys.executable, "workflow/sync_dvc.py"], repo, slurm.env, 120)
     out = run(["snakemake", "--executor", "slurm", "--workflow-profile", "workflow/profiles/slurm",
                # no slurmdbd here (the profile's note). The plugin checks FIRST_CHECK s after a submission and adds
@@ -165,35 +173,27 @@ def test_default_pipeline_through_the_slurm_executor(slurm, tmp_path):
                "--seconds-between-status-checks", "2", "--latency-wait", "5"],
               cwd=repo, env=slurm.env, timeout=1500)
     # Every stage was an sbatch job that Slurm ran to completion: the plugin's job ids, Slurm's own record of
-    # them (squeue keeps finished jobs for MinJobAge; the job comment names the rule), the controller's log.
+    # them (squeue keeps finished jobs for MinJobAge; the job comment names the rule, %D its node count), the
+    # controller's log.
     ids = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
-    listed = run(["squeue", "--states=all", "-h", "-o", "%i|%k|%T"], repo, slurm.env, 30).split()
-    by_id = {i: (comment, state) for i, comment, state in (line.split("|") for line in listed)}
-    stages = set(yaml.safe_load((repo / "dvc.yaml").read_text())["stages"])
-    assert {by_id[i][0].removeprefix("rule_") for i in ids} == stages, (ids, by_id)
+    listed = run(["squeue", "--states=all", "-h", "-o", "%i|%k|%T|%D"], repo, slurm.env, 30).split()
+    by_id = {i: (comment.removeprefix("rule_"), state, int(n)) for i, comment, state, n in
+             (line.split("|") for line in listed)}
+    dvc_stages = yaml.safe_load((repo / "dvc.yaml").read_text())["stages"]
+    stages = set(dvc_stages)
+    assert {by_id[i][0] for i in ids} == stages, (ids, by_id)
     assert len(ids) == len(stages) and all(by_id[i][1] == "COMPLETED" for i in ids), by_id
     controller = slurm.controller_log()
     for job_id in ids:
         assert re.search(rf"_job_complete: JobId={job_id} WEXITSTATUS 0", controller), job_id
+    # The trainers (srun + torchrun --nnodes 2 in their recorded command) on 2 nodes, every other stage on 1.
+    trainers = {"sft", "ref_logps", "train_dpo", "train_rm"} & stages
+    assert {name for name, st in dvc_stages.items() if " srun --nodes=2 " in st["cmd"]} == trainers
+    assert {by_id[i][0]: by_id[i][2] for i in ids} == {s: 2 if s in trainers else 1 for s in stages}, by_id
+    for stage in trainers - {"ref_logps"}:
+        info = yaml.safe_load((repo / f"results/{stage}/run_info.json").read_text())
+        assert info["world_size"] == 2 and info["backend"] == "gloo", (stage, info)
     # The run was recorded in dvc.lock (the Snakefile's onsuccess), so DVC agrees nothing changed.
     assert dvc_changed_stages(repo) == set()
     for log in ("normalize", "train_dpo", "train_rm", "report"):
         assert (repo / f"logs/{log}.log").stat().st_size > 0, log
-
-    # slurm.nodes: 2 through the plugin (its mpi mode: the jobstep drops SLURM_JOB_NODELIST, so the
-    # endpoint lookup asks the controller): train_rm reruns as one job on both nodes, world size 2.
-    params = repo / "params.yaml"
-    params.write_text(params.read_text().replace("\n  nodes: 1\n", "\n  nodes: 2\n", 1))
-    run([sys.executable, "workflow/sync_dvc.py"], repo, slurm.env, 120)
-    out = run(["snakemake", "--executor", "slurm", "--workflow-profile", "workflow/profiles/slurm",
-               "--slurm-status-command", "squeue", "--slurm-init-seconds-before-status-checks", FIRST_CHECK,
-               "--latency-wait", "5", "results/train_rm/run_info.json"], cwd=repo, env=slurm.env, timeout=900)
-    # train_rm's launch changed, and so did sft's when the default fine-tunes the reference first (train_rm
-    # starts from sft's export): each reruns as one job on both nodes.
-    rerun = ["sft", "train_rm"] if "sft" in stages else ["train_rm"]
-    job_ids = re.findall(r"has been submitted with SLURM jobid (\d+)", out)
-    lines = sorted(run(["squeue", "--states=all", "-h", "-j", job_id, "-o", "%k|%T|%D"], repo, slurm.env, 30).strip()
-                   for job_id in job_ids)
-    assert lines == [f"rule_{stage}|COMPLETED|2" for stage in rerun], lines
-    info = yaml.safe_load((repo / "results/train_rm/run_info.json").read_text())
-    assert info["world_size"] == 2 and info["backend"] == "gloo"
