@@ -9,7 +9,8 @@ allocation of a training job (tests/workflow/test_slurm.py tests both).
   that node, so it looks up the endpoint once, before srun; Slurm node names need not resolve as host
   names (NodeName vs NodeAddr), so the endpoint is the node's NodeAddr from `scontrol show node`.
 
-Run as a script inside an allocation, `python workflow/launch.py rdzv-endpoint --port P` prints HOST:P.
+Run as a script inside an allocation, `python workflow/launch.py rdzv-endpoint --port P` prints HOST:PORT, PORT
+= P + (the job id mod 1000): each job its own rendezvous store, so concurrent jobs sharing a first node never meet.
 """
 from __future__ import annotations
 
@@ -90,7 +91,24 @@ def job_nodelist(show_job_output: str, job_id: str) -> str:
     return m.group(1)
 
 
+# A multi-node job's rendezvous port: slurm.rdzv_port + (job id mod RDZV_PORT_SPAN). With one fixed port, two
+# 2-node jobs sharing a first node (ref_logps and train_rm both start after sft) met at one address: the second
+# agent, unable to bind, became a client of the first job's TCP store (torch falls back to client mode), so its
+# rendezvous and its workers' process group lived in another job's store, which vanished when that job ended.
+RDZV_PORT_SPAN = 1000
+
+
+def rdzv_port_for_job(base: int, job_id: str) -> int:
+    """The job's own rendezvous port: consecutive job ids (the jobs a run submits together) get distinct ports;
+    ids 1000 apart share one, long after the earlier job ended on any cluster that runs jobs by the thousand."""
+    if not job_id.isdigit():
+        raise ValueError(f"launch: refused: SLURM_JOB_ID {job_id!r} is not a job number")
+    return base + int(job_id) % RDZV_PORT_SPAN
+
+
 def rdzv_endpoint(port: int) -> str:
+    """HOST:PORT of the allocation's first node, PORT = rdzv_port_for_job(port, SLURM_JOB_ID) (the base itself
+    outside a job, where no id exists: a test's or a user's manual lookup)."""
     def run(*cmd: str) -> str:
         r = subprocess.run(cmd, capture_output=True, text=True)
         if r.returncode != 0:
@@ -106,14 +124,17 @@ def rdzv_endpoint(port: int) -> str:
         raise ValueError("launch: refused: neither SLURM_JOB_NODELIST nor SLURM_JOB_ID is set: several nodes "
                          "need a Slurm allocation")
     name = first_hostname(run("scontrol", "show", "hostnames", nodelist))
+    if job_id:
+        port = rdzv_port_for_job(port, job_id)
     return f"{node_address(run('scontrol', 'show', 'node', name), name)}:{port}"
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    ep = sub.add_parser("rdzv-endpoint", help="HOST:PORT of the allocation's first node")
-    ep.add_argument("--port", type=int, required=True)
+    ep = sub.add_parser("rdzv-endpoint", help="HOST:PORT of the allocation's first node (PORT: --port + job id "
+                                              f"mod {RDZV_PORT_SPAN})")
+    ep.add_argument("--port", type=int, required=True, help="slurm.rdzv_port, the first port of the range")
     args = ap.parse_args(argv)
     try:
         print(rdzv_endpoint(args.port))

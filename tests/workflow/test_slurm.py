@@ -21,7 +21,8 @@ from pipeline_helpers import cap_training_steps, copy_checkout, dvc_changed_stag
 from stage_helpers import assert_same_training, stage_args, torchrun, write_train_params
 
 sys.path.insert(0, str(REPO_ROOT / "workflow"))
-from launch import first_hostname, job_nodelist, node_address, torchrun_launch, train_resources  # noqa: E402
+from launch import (RDZV_PORT_SPAN, first_hostname, job_nodelist, node_address, rdzv_port_for_job,  # noqa: E402
+                    torchrun_launch, train_resources)
 
 SLURM = yaml.safe_load((REPO_ROOT / "params.yaml").read_text())["slurm"]
 
@@ -73,6 +74,16 @@ def test_endpoint_parsing_refuses_what_it_cannot_use():
         node_address("NodeName=n1 Arch=x86_64\n", "n1")
     with pytest.raises(ValueError, match="gave no NodeList"):
         job_nodelist("JobId=7 ReqNodeList=(null) ExcNodeList=(null) NodeList=(null)\n", "7")
+
+
+def test_each_job_gets_its_own_rendezvous_port():
+    """Jobs a run submits together (consecutive ids) may share a first node: each hosts its own c10d store on its
+    own port, inside slurm.rdzv_port's range; a job id that is not a number is refused, not hashed."""
+    ports = [rdzv_port_for_job(29500, str(job_id)) for job_id in range(998, 1998)]
+    assert len(set(ports)) == RDZV_PORT_SPAN and min(ports) == 29500 and max(ports) == 29500 + RDZV_PORT_SPAN - 1
+    assert rdzv_port_for_job(29500, "1007") == 29507 and rdzv_port_for_job(64536, "999") == 65535
+    with pytest.raises(ValueError, match="not a job number"):
+        rdzv_port_for_job(29500, "12_3")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -137,9 +148,10 @@ def test_two_node_training_under_srun_equals_one_process(slurm, tmp_path):
     r = subprocess.run(lookup, cwd=REPO_ROOT, env={**slurm.env, "SLURM_JOB_NODELIST": "nosuch"},
                        capture_output=True, text=True)
     assert r.returncode == 1 and "refused" in r.stderr and "nosuch" in r.stderr, r.stderr
-    # Inside a Snakemake jobstep only SLURM_JOB_ID survives: the node list then comes from the controller.
+    # Inside a Snakemake jobstep only SLURM_JOB_ID survives: the node list then comes from the controller, the port
+    # from the id (the job's own rendezvous).
     only_id = {k: v for k, v in slurm.env.items() if k != "SLURM_JOB_NODELIST"} | {"SLURM_JOB_ID": job_id}
-    assert run(lookup, REPO_ROOT, only_id, 30).strip() == f"{addr}:29611"
+    assert run(lookup, REPO_ROOT, only_id, 30).strip() == f"{addr}:{29611 + int(job_id) % RDZV_PORT_SPAN}"
     info = yaml.safe_load((tmp_path / "two/run_info.json").read_text())
     assert info["world_size"] == 2 and info["backend"] == "gloo"
 
