@@ -50,6 +50,10 @@ HASHED_ARTIFACTS = [path for path in bundle_artifacts(config) if path not in OWN
 rule report:
     input:
         environment=ENV_RECORD,
+        # The bundle packs params.yaml byte for byte, comments included (stages/evidence/bundle.py): its bytes are a
+        # dependency, beside its values (params below). Values alone let a comment edit leave a recorded bundle that
+        # no rerun reproduces (dvc status clean, a fresh clone's bundle another hash).
+        params_file="params.yaml",
         artifacts=HASHED_ARTIFACTS,
         metrics=[rules.evaluate.output.metrics_dpo, rules.evaluate.output.metrics_rm],
         per_pair=[DPO_OUT.probe_step0, DPO_OUT.probe_final, RM_OUT.probe_step0, RM_OUT.probe_final],
