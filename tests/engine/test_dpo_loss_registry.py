@@ -168,7 +168,7 @@ def _toy_square(x):
 '''
 
 
-def test_adding_a_loss_touches_one_code_file_and_reruns_train_dpo_only(tmp_path):
+def test_adding_a_loss_touches_one_code_file_and_reruns_train_dpo_and_the_report(tmp_path):
     repo = copy_checkout(tmp_path / "repo")
     losses = repo / LOSSES_FILE
     text = losses.read_text()
@@ -181,12 +181,14 @@ def test_adding_a_loss_touches_one_code_file_and_reruns_train_dpo_only(tmp_path)
     changed = set(sh("git", "diff", "--name-only", cwd=repo).split())
     assert changed == {LOSSES_FILE, "workflow/schemas/params.schema.yaml", "params.yaml", "docs/DPO_LOSSES.md"}
     assert yaml.safe_load((repo / "params.yaml").read_text()) == before          # comments only: no DVC param moved
-    # dvc.yaml (generated from the rules, checked by tests/workflow/test_dag.py) is still the DAG's, and the only stage
-    # that lists a changed file as a dependency is train_dpo: evaluate and report follow from its outputs.
+    # dvc.yaml (generated from the rules, checked by tests/workflow/test_dag.py) is still the DAG's, and the stages
+    # that list a changed file as a dependency are train_dpo (the code) and report (it packs params.yaml byte for
+    # byte, and the loss list in its comments changed): evaluate follows from train_dpo's outputs.
     sh(sys.executable, "workflow/sync_dvc.py", "--check", cwd=repo)
     dvc = yaml.safe_load((repo / "dvc.yaml").read_text())
-    direct = {name for name, st in dvc["stages"].items() if changed & set(st.get("deps", []))}
-    assert direct == {"train_dpo"}
+    direct = {name: changed & set(st.get("deps", [])) for name, st in dvc["stages"].items()}
+    assert {name: files for name, files in direct.items() if files} == {"train_dpo": {LOSSES_FILE},
+                                                                        "report": {"params.yaml"}}
     # the loss works: the pre-flight accepts it, the objective computes it
     probe = textwrap.dedent('''
         import copy, torch
