@@ -8,7 +8,6 @@ real kernels of stages/engine/kernels.py on CPU tensors (the GPU run of the same
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_adamw
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py flat_lowbit
     TRITON_INTERPRET=1 python tests/triton_interpret_checks.py lowbit_geometry
-    TRITON_INTERPRET=1 python tests/triton_interpret_checks.py lowbit_codec
 """
 from __future__ import annotations
 
@@ -407,67 +406,6 @@ def check_flat_lowbit(device: str = "cpu") -> None:
     print("flat lowbit ok")
 
 
-try:
-    import triton
-    import triton.language as tl
-    from stages.engine import kernels as _kernels
-except ImportError:          # no Triton: the checks that need it are not run (their tests skip)
-    triton = None
-
-if triton is not None:
-    @triton.jit
-    def _codec_kernel(code_ptr, y_ptr, dm_ptr, ds_ptr, em_ptr, es_ptr, n):
-        """kernels._decode_m / _decode_s over uint8 codes and kernels._encode8 (both formats) over fp32 values in
-        [0, 1]: the helpers _adamw8_kernel decodes and encodes its moments with."""
-        offs = tl.program_id(0) * 128 + tl.arange(0, 128)
-        mask = offs < n
-        c = tl.load(code_ptr + offs, mask=mask, other=0)
-        y = tl.load(y_ptr + offs, mask=mask, other=0.0)
-        tl.store(dm_ptr + offs, _kernels._decode_m(c), mask=mask)
-        tl.store(ds_ptr + offs, _kernels._decode_s(c), mask=mask)
-        tl.store(em_ptr + offs, _kernels._encode8(y, 15, 6.103515625e-05, 131072.0), mask=mask)
-        tl.store(es_ptr + offs, _kernels._encode8(y, 31, 9.31322574615478515625e-10, 8589934592.0), mask=mask)
-
-
-def _codec_kernel_launch(codes: torch.Tensor, ys: torch.Tensor):
-    n = codes.numel()
-    assert ys.numel() == n
-    dm, ds = (torch.empty(n, device=codes.device) for _ in range(2))
-    em, es = (torch.empty(n, dtype=torch.int32, device=codes.device) for _ in range(2))
-    _codec_kernel[(-(-n // 128),)](codes, ys, dm, ds, em, es, n)
-    return dm, ds, em, es
-
-
-def check_lowbit_codec(device: str = "cpu") -> None:
-    """The kernel's 8-bit codec against lowbit_adamw's, bitwise: every one of the 256 codes of each format decodes
-    to decode_magnitude's value (the kernel reads the code's bits as an fp32, subnormal for the subnormal codes,
-    times a power of two: on the GPU, fp32 products that flush no subnormal), and values in [0, 1] encode to
-    encode_magnitude's codes: every tie of both formats' subnormal steps and both sides of each, the normal
-    binades' ties, random values (the GPU's subnormal rounding is cvt.rni: ties to even, as torch.round)."""
-    from stages.engine.lowbit_adamw import M_EXP_BITS, S_EXP_BITS, decode_magnitude, encode_magnitude
-    codes = torch.arange(256, dtype=torch.int64)
-    want_m = decode_magnitude(codes & 0x7F, M_EXP_BITS)
-    want_m = torch.where(codes >= 128, -want_m, want_m)
-    want_s = decode_magnitude(codes, S_EXP_BITS)
-    gen = torch.Generator().manual_seed(3)
-    ties = torch.cat([torch.arange(0, 2 ** 7 + 1) * 2.0 ** -k for k in (18, 34)])     # half-steps of both formats
-    near = torch.cat([ties.nextafter(torch.tensor(2.0)), ties.nextafter(torch.tensor(-1.0)).clamp(min=0)])
-    binades = torch.cat([(1.0 + (2 * torch.arange(8) + 1) / 16.0) * 2.0 ** -e for e in range(1, 36)])
-    ys = torch.cat([ties, near, binades, torch.rand(4096, generator=gen),
-                    torch.rand(4096, generator=gen) * 2.0 ** -14, torch.tensor([0.0, 1.0])]).clamp(0.0, 1.0).float()
-    k = max(256, ys.numel())
-    c = codes.repeat(-(-k // 256))[:k].to(torch.uint8)
-    y = torch.cat([ys, ys.new_zeros(k - ys.numel())])
-    dm, ds, em, es = (t.cpu() for t in _codec_kernel_launch(c.to(device), y.to(device)))
-    assert torch.equal(dm[:256].view(torch.int32), want_m.view(torch.int32)), "m decode"
-    assert torch.equal(ds[:256].view(torch.int32), want_s.view(torch.int32)), "s decode"
-    for got, bits in ((em, M_EXP_BITS), (es, S_EXP_BITS)):
-        want = encode_magnitude(y, bits)
-        bad = (got.long() != want).nonzero().flatten()
-        assert bad.numel() == 0, (bits, y[bad[:5]].tolist(), got[bad[:5]].tolist(), want[bad[:5]].tolist())
-    print("lowbit codec ok")
-
-
 def check_lowbit_geometry(device: str = "cpu") -> None:
     """(CPU under the interpreter, or CUDA from tests/engine/test_gpu.py, where the fast paths run on the GPU's own
     MUFU approximations.) kernels._adamw8_kernel as the flat step launches it, one launch over a buffer of several
@@ -631,8 +569,6 @@ if __name__ == "__main__":
         check_flat_warm_up()
     elif sys.argv[1] == "flat_lowbit":
         check_flat_lowbit()
-    elif sys.argv[1] == "lowbit_codec":
-        check_lowbit_codec()
     elif sys.argv[1] == "lowbit_geometry":
         check_lowbit_geometry()
     elif sys.argv[1] == "model_lora":

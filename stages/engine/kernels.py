@@ -258,34 +258,16 @@ if triton is not None:
         subnormals by the 2^23 trick (RNE of z < 2^22 in fp32)."""
         bits = y.to(tl.int32, bitcast=True)
         normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) >> 20) - ((127 - TOP) << 3)
-        if _EMULATE_MUFU:         # Triton's interpreter runs no PTX
-            z = tl.minimum(y * SUB_SCALE, 16.0)    # only z < 8 is used; the clamp keeps the cast in range
-            sub = ((z + 8388608.0) - 8388608.0).to(tl.int32)
-        else:                     # cvt.rni: round to nearest even, out-of-range values clamped (only < 8 are used)
-            sub = tl.inline_asm_elementwise("cvt.rni.s32.f32 $0, $1;", "=r,f", [y * SUB_SCALE], dtype=tl.int32,
-                                            is_pure=True, pack=1)
+        z = tl.minimum(y * SUB_SCALE, 16.0)        # only z < 8 is used; the clamp keeps the cast in range
+        sub = ((z + 8388608.0) - 8388608.0).to(tl.int32)
         return tl.where(y >= MIN_NORMAL, normal, sub)
 
     @triton.jit
-    def _decode8(bits, UNBIAS: tl.constexpr):
-        """lowbit_adamw.decode_magnitude from a code's bits moved to the top of fp32's mantissa (code << 20; a
-        sign, if any, at bit 31): as fp32 bits that is the value times 2^(TOP - 127) exactly, a subnormal code an
-        fp32 subnormal, so one exact power-of-two product, UNBIAS = 2^(127 - TOP), gives the value (fp32 products
-        keep subnormal operands): 2 integer operations and a multiply, where exponent and mantissa fields, a
-        subnormal branch and a sign select took ~9."""
-        return bits.to(tl.float32, bitcast=True) * UNBIAS
-
-    @triton.jit
-    def _decode_m(code):
-        """m's uint8 codes (sign bit 7, M_EXP_BITS = 4: TOP 15) -> fp32 multiples of the block scale: the code
-        sign-extended, so after the shift and mask its sign lands at bit 31."""
-        c = code.to(tl.int8, bitcast=True).to(tl.int32)
-        return _decode8((c << 20) & -2014314496, 5.192296858534828e+33)       # 0x87F00000, 2^112
-
-    @triton.jit
-    def _decode_s(code):
-        """sqrt(v)'s uint8 codes (S_EXP_BITS = 5: TOP 31) -> fp32 multiples of the block scale."""
-        return _decode8(code.to(tl.int32) << 20, 7.922816251426434e+28)           # 2^96
+    def _decode8(code, TOP: tl.constexpr, SUB_STEP: tl.constexpr):
+        e = code >> 3
+        f = code & 7
+        normal = (((e + 127 - TOP) << 23) | (f << 20)).to(tl.float32, bitcast=True)
+        return tl.where(e > 0, normal, f.to(tl.float32) * SUB_STEP)
 
     # div.rn.f32 and sqrt.rn.f32 compile to a fast path guarded by a range check (FCHK; an exponent compare for
     # sqrt) that branches per element to a slow-path call: 5 such sites per value made _adamw8_kernel issue-bound
@@ -336,7 +318,7 @@ if triton is not None:
 
     @triton.jit
     def _adamw8_math(g, w, m, s, lr, weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-                     bias2_sqrt, FAST: tl.constexpr, SCALED: tl.constexpr):
+                     bias2_sqrt, FAST: tl.constexpr):
         """The update of one tile (m, sqrt(v) decoded) -> (w, new m codes with sign, new sqrt(v) codes, m's and
         sqrt(v)'s block absmax, whether any value is outside the fast paths' exact ranges). FAST=False: div_rn /
         sqrt_rn (the reference form; never `bad`). FAST=True: the same operations by _div_fast / _sqrt_fast, equal
@@ -361,32 +343,7 @@ if triton is not None:
         v = beta2 * v + one_minus_beta2 * g * g
         am = tl.max(tl.abs(m), axis=1)
         bm = tl.where(am > 0, am, 1.0)
-        if FAST and not SCALED:
-            # the plain tier: no power-of-two rescaling, every operand checked to lie where the fast paths are
-            # exact without it (the ranges above); a tile with any value outside takes the SCALED tier. Per value
-            # only v's and m's own ranges are tested: the rest follow from them or are per row (division is
-            # monotone, so a row's largest denominator is its largest s's), and bias2_sqrt and eps per launch.
-            s = _sqrt_fast(v)
-            rb = _rcp_refined(bias2_sqrt)
-            denom = _div_fast(s, bias2_sqrt, rb) + eps
-            qs = _div_fast(m, denom, _rcp_refined(denom))
-            w = w - step_size * qs
-            a_s = tl.max(s, axis=1)
-            bs = tl.where(a_s > 0, a_s, 1.0)
-            ym = _div_fast(tl.abs(m), bm[:, None], _rcp_refined(bm)[:, None])
-            ys = _div_fast(s, bs[:, None], _rcp_refined(bs)[:, None])
-            # a non-zero v below 2^-101 or |m| below 2^-60 (these also keep a row's non-zero absmax >= 2^-60),
-            # an infinite or NaN v
-            bad = (~((v >= 3.944304526105059e-31) & (v <= 3.4028234663852886e+38)) & (v != 0.0)) \
-                | ((tl.abs(m) < 8.673617379884035e-19) & (m != 0.0))
-            c = tl.zeros_like(bm) + bias2_sqrt      # per row: the interpreter's scalar booleans do not mix
-            e = tl.zeros_like(bm) + eps
-            row_bad = ~((c >= 9.5367431640625e-07) & (c <= 1.0) & (e >= 9.094947017729282e-13)
-                        & (_div_fast(a_s, bias2_sqrt, rb) + eps <= 1.152921504606847e+18)
-                        & (bm <= 1.152921504606847e+18) & (bs <= 1.152921504606847e+18))
-            bad = bad | row_bad[:, None]
-            # 2^-101, FLT_MAX; 2^-60; 2^-20; 2^-40; 2^60
-        elif FAST:
+        if FAST:
             tiny_v = v < 3.944304526105059e-31                                           # 2^-101
             s = _sqrt_fast(tl.where(tiny_v, v * 1.8446744073709552e+19, v)) \
                 * tl.where(tiny_v, 2.3283064365386963e-10, 1.0)                          # 2^64, 2^-32
@@ -440,11 +397,9 @@ if triton is not None:
         load or store per element (the SASS of the kernel before EVEN had 32 one-byte loads and 32 one-byte
         stores per thread for 16 values: what made the 8-bit step 2.5x slower than the exact one, which moves more
         bytes). FAST (the default; False only as the tests' reference): the four divisions and the square root of
-        a value by their branch-free fast paths (_adamw8_math), bitwise the div_rn / sqrt_rn results, in tiers
-        uniform per program: first on the operands as they are (their ranges checked per value for v and m, per row
-        or launch for the rest), a tile with a tiny moment (blocks without gradient for hundreds of steps) rerun
-        on power-of-two-rescaled operands, and one with a value outside even those ranges in the reference form.
-        A rerun costs only its tile."""
+        a value by their branch-free fast paths (_adamw8_math), bitwise the div_rn / sqrt_rn results, a tile rerun
+        in that reference form where some value falls outside the fast paths' exact ranges (uniform per program:
+        the rerun costs only such tiles)."""
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         rmask = rows < n_blocks
         offs = rows[:, None] * B + tl.arange(0, B)[None, :]
@@ -455,30 +410,24 @@ if triton is not None:
         lr = tl.load(lr_ptr)
         step_size = (lr.to(tl.float64) / tl.load(bias_ptr + 4)).to(tl.float32)
         bias2_sqrt = tl.load(bias_ptr + 5).to(tl.float32)
-        # times the clip divisor's correctly rounded reciprocal, as LowBitAdamW's torch ops: one multiply a value
-        # (Triton's `/` is div.full, an approximate quotient of a reciprocal and 3 instructions a value)
-        inv_divisor = tl.math.div_rn(1.0, tl.load(divisor_ptr))
-        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * inv_divisor
+        g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) / tl.load(divisor_ptr)
         if HAS_MASTER:
             w = tl.load(master_ptr + offs, mask=mask, other=0.0)
         else:
             w = tl.load(param_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        mcode = tl.load(mc_ptr + offs, mask=mask, other=0)
-        scode = tl.load(sc_ptr + offs, mask=mask, other=0)
+        mcode = tl.load(mc_ptr + offs, mask=mask, other=0).to(tl.int32)
+        scode = tl.load(sc_ptr + offs, mask=mask, other=0).to(tl.int32)
         mscale = tl.load(msc_ptr + rows, mask=rmask, other=0.0)
         sscale = tl.load(ssc_ptr + rows, mask=rmask, other=0.0)
-        m = _decode_m(mcode) * mscale[:, None]
-        s = _decode_s(scode) * sscale[:, None]
+        m = _decode8(mcode & 0x7F, 15, 7.62939453125e-06) * mscale[:, None]       # 2^-17: the subnormal step
+        m = tl.where(mcode >= 128, -m, m)
+        s = _decode8(scode, 31, 1.16415321826934814453125e-10) * sscale[:, None]  # 2^-33
         w0 = w
         w, new_m, new_s, am, a_s, bad = _adamw8_math(g, w0, m, s, lr, weight_decay, beta1, one_minus_beta1, beta2,
-                                                     one_minus_beta2, eps, step_size, bias2_sqrt, FAST, False)
-        if bad:          # a tile with a tiny (decayed) moment: the fast paths on power-of-two-rescaled operands
+                                                     one_minus_beta2, eps, step_size, bias2_sqrt, FAST)
+        if bad:          # a rare tile with a value outside the fast paths' exact ranges: the reference form
             w, new_m, new_s, am, a_s, bad = _adamw8_math(g, w0, m, s, lr, weight_decay, beta1, one_minus_beta1,
-                                                         beta2, one_minus_beta2, eps, step_size, bias2_sqrt, FAST, True)
-            if bad:      # a rare tile with a value outside even those ranges: the reference form
-                w, new_m, new_s, am, a_s, bad = _adamw8_math(g, w0, m, s, lr, weight_decay, beta1, one_minus_beta1,
-                                                             beta2, one_minus_beta2, eps, step_size, bias2_sqrt,
-                                                             False, False)
+                                                         beta2, one_minus_beta2, eps, step_size, bias2_sqrt, False)
         tl.store(mc_ptr + offs, new_m.to(tl.uint8), mask=mask)
         tl.store(sc_ptr + offs, new_s.to(tl.uint8), mask=mask)
         tl.store(msc_ptr + rows, am, mask=rmask)
@@ -489,13 +438,9 @@ if triton is not None:
         elif SR:
             t = tl.load(step_ptr).to(tl.uint32)
             ordinal = tl.load(ord_ptr + rows, mask=rmask, other=0).to(tl.uint32)
-            # lowbit_adamw.sr_bits: one hash an element pair (a block starts at an even index), its low half the
-            # even element's bits, its high half the odd one's
-            pair = ((tl.load(base_ptr + rows, mask=rmask, other=0)[:, None] >> 1)
-                    + tl.arange(0, B // 2)[None, :]).to(tl.uint32)
+            idx = (tl.load(base_ptr + rows, mask=rmask, other=0)[:, None] + tl.arange(0, B)[None, :]).to(tl.uint32)
             key = _mix32(_mix32(_mix32(seed.to(tl.uint32)) ^ t) ^ ordinal)
-            h = _mix32(pair ^ key[:, None])
-            r = tl.interleave(h & 0xFFFF, h >> 16)
+            r = _mix32(idx ^ key[:, None])
             u = w.to(tl.uint32, bitcast=True)
             u = (u + (r & 0xFFFF)) & 0xFFFF0000
             tl.store(param_ptr + offs, u.to(tl.float32, bitcast=True).to(param_ptr.dtype.element_ty), mask=mask)

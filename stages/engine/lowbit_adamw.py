@@ -25,9 +25,8 @@ the Triton kernel. Values flush to 0 below the smallest code.
 
 Stochastic rounding (bf16_sr_8bit): 16 random bits are added to the fp32 bit pattern below bf16's mantissa and the
 sum truncated (round up with probability = the dropped fraction). The bits are a counter-based hash (mix32 below,
-integer multiply / xor / shift only) of (train.seed + rank, optimizer step, parameter ordinal, element pair),
-each half of the 32-bit hash one element's (sr_bits): no RNG state, the same bits on every run and after a resume,
-the same in Triton and here.
+integer multiply / xor / shift only) of (train.seed + rank, optimizer step, parameter ordinal, element index):
+no RNG state, the same bits on every run and after a resume, the same in Triton and here.
 
 Portability (train.portable_numerics): only IEEE basic operations (add, mul, div, fused by nothing), integer
 operations and one square root, taken in double precision and rounded to float: torch.sqrt on float32 CPU tensors
@@ -126,17 +125,9 @@ def stream_key(seed: int, step: int, ordinal: int) -> int:
     return mix32(mix32(mix32(seed & MASK32) ^ (step & MASK32)) ^ (ordinal & MASK32))
 
 
-def sr_bits(index: torch.Tensor, key: int) -> torch.Tensor:
-    """The 16 random bits (in int64) of each element index (int64) of a stream: one hash an element pair (2j,
-    2j + 1), its low half the even element's, its high half the odd one's. Half the hashes of one a value: the
-    hash was ~10 of the ~150 instructions a value of the 8-bit kernel's step (kernels._adamw8_kernel)."""
-    h = mix32((index >> 1) ^ key)
-    return (h >> ((index & 1) << 4)) & 0xFFFF
-
-
 def random_bits(key: int, numel: int, device=None) -> torch.Tensor:
-    """sr_bits of element indices 0 .. numel - 1 of a stream."""
-    return sr_bits(torch.arange(numel, dtype=torch.int64, device=device), key)
+    """uint32 values (in int64) for element indices 0 .. numel - 1 of a stream."""
+    return mix32(torch.arange(numel, dtype=torch.int64, device=device) ^ key)
 
 
 def stochastic_round_bf16(w: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -258,8 +249,8 @@ class LowBitAdamW(torch.optim.Optimizer):
         beta1, beta2 = group["betas"]
         lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
         g = g.float()
-        if divisor is not None:      # times the reciprocal, as kernels._adamw8_kernel: one rounding, the same on both
-            g = g * (1.0 / divisor)
+        if divisor is not None:
+            g = g / divisor
         w = w_t.float() if w_t.dtype != torch.float32 else w_t.clone()
         m = dequantize(codes["m_codes"], scales["m_scale"], signed=True)
         s = dequantize(codes["s_codes"], scales["s_scale"], signed=False)
@@ -279,7 +270,7 @@ class LowBitAdamW(torch.optim.Optimizer):
             scales[f"{name}_scale"].copy_(new_scale)
         if self.state_mode == "bf16_sr_8bit" and w_t.dtype == torch.bfloat16:
             key = stream_key(self.seed, t, self.ordinal[id(p)])
-            bits = sr_bits(torch.arange(w.numel(), dtype=torch.int64, device=w.device) + start, key)
+            bits = mix32((torch.arange(w.numel(), dtype=torch.int64, device=w.device) + start) ^ key)
             w_t.copy_(stochastic_round_bf16(w, bits))
         else:
             w_t.copy_(w)

@@ -217,13 +217,6 @@ def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_on_gpu():
     check_flat_lowbit("cuda")
 
 
-def test_lowbit_kernel_codec_is_the_cpu_codec_on_gpu():
-    """The 8-bit codec of _adamw8_kernel on the GPU (its decode's fp32 products on subnormal operands, its encode's
-    cvt.rni) gives lowbit_adamw's values and codes bitwise (triton_interpret_checks.check_lowbit_codec)."""
-    from triton_interpret_checks import check_lowbit_codec
-    check_lowbit_codec("cuda")
-
-
 def test_lowbit_kernel_fast_paths_and_geometry_are_bitwise_the_reference_form_on_gpu():
     """kernels._adamw8_kernel's vectorized one-launch-per-buffer form with its branch-free divisions and square root
     (MUFU + FFMA) against one masked launch per tensor with div_rn / sqrt_rn, bitwise, on decayed, zero and tiny

@@ -51,14 +51,6 @@ def test_flat_lowbit_adamw_equals_the_eager_lowbit_step_under_the_interpreter():
 
 
 @needs_triton
-def test_lowbit_kernel_codec_is_the_cpu_codec_under_the_interpreter():
-    """kernels._decode_m / _decode_s / _encode8, the 8-bit codec _adamw8_kernel reads and writes its moments with,
-    give lowbit_adamw's values and codes bitwise: all 256 codes of each format, and the rounding ties
-    (triton_interpret_checks.check_lowbit_codec; on the GPU, test_gpu.py)."""
-    assert "lowbit codec ok" in interpret("lowbit_codec")
-
-
-@needs_triton
 def test_lowbit_kernel_launch_geometry_under_the_interpreter():
     """kernels._adamw8_kernel over one flat buffer of several tensors (padded last blocks, a partial last tile)
     with its vectorized path (EVEN) equals bitwise one masked launch per tensor, in each low-bit mode; the padding
