@@ -457,3 +457,37 @@ def test_rounds_bench_drops_train_pairs_that_ask_a_probe_prompt(tmp_path):
     texts = sorted(tok.decode(p) for p in prompts)
     assert len(texts) == 3 and not any("question 1?" in t for t in texts)
     assert all(f"question {i}?" in t for i, t in zip((0, 2, 3), texts))
+
+
+def test_kernel_sass_walks_the_fast_path_and_counts_the_real_kernel(tmp_path):
+    """bench/kernel_sass.py: the walk takes a conditional branch over a slow-path CALL or a long region (a tier's
+    rerun), falls through a short one, follows unconditional branches, stops at EXIT; on the real kernel, compiled
+    for sm_90 by the installed Triton, each state's fast path is a part of its static code."""
+    import kernel_sass
+    sass = "\n".join([
+        "        /*0000*/                   FADD R1, R1, R2 ;",
+        "        /*0010*/               @P0 BRA `(.L_x_1) ;",                  # over a CALL: taken
+        "        /*0020*/                   CALL.REL.NOINC `($slow) ;",
+        ".L_x_1:",
+        "        /*0030*/              @!P1 BRA `(.L_x_2) ;",                  # over one instruction: not taken
+        "        /*0040*/                   FMUL R1, R1, R1 ;",
+        ".L_x_2:",
+        "        /*0050*/                   BRA `(.L_x_3) ;",                   # unconditional: followed
+        "        /*0060*/                   FFMA R1, R1, R1, R1 ;",
+        ".L_x_3:",
+        "        /*0070*/               @P2 EXIT ;",
+        "        /*0080*/                   EXIT ;",
+    ])
+    ins, labels = kernel_sass.parse(sass)
+    assert len(ins) == 9 and labels == {".L_x_1": 3, ".L_x_2": 5, ".L_x_3": 7}
+    assert [kernel_sass.opcode(t) for t in kernel_sass.fast_path(ins, labels)] == \
+        ["FADD", "BRA", "BRA", "FMUL", "BRA", "EXIT", "EXIT"]
+    triton = pytest.importorskip("triton")
+    from pathlib import Path
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "nvdisasm").exists():
+        pytest.skip("this Triton bundles no nvdisasm")
+    assert kernel_sass.main(["--out", str(tmp_path / "k.json")]) == 0
+    record = json.loads((tmp_path / "k.json").read_text())
+    assert set(record["rows"]) == {"fp32_master_8bit", "bf16_sr_8bit"} and record["values_per_thread"] == 8
+    for row in record["rows"].values():
+        assert 0 < row["fast_path"] < row["static"] and row["per_value"] == round(row["fast_path"] / 8, 1)
