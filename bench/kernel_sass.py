@@ -3,9 +3,9 @@ the installed Triton, with the ptxas and nvdisasm its wheel bundles, and the SAS
 
     python bench/kernel_sass.py [--out kernel_sass.json] [--sass-dir DIR] [--arch 90]
 
-Why: on an H100 the bf16_sr_8bit step is issue-bound, not bandwidth-bound (bench/results/h100_issue38_8f9d5f9: 8.21 ms
-over 1.17e9 values against a 4.9 ms bandwidth bound), so the instructions a value are its cost model, and they can be
-read on any machine, between GPU sessions.
+Why: on an H100 the bf16_sr_8bit step is issue-bound, not bandwidth-bound (its times and bound: the optim_bench
+record in bench/results/h100_issue38_8f9d5f9), so the instructions a value are its cost model, and they can be read
+on any machine, between GPU sessions.
 
 Rows, one per optimizer state: fp32_master_8bit (fp32 masters of bf16 weights) and bf16_sr_8bit (bf16 weights,
 stochastic rounding), the flat step's launch (EVEN, FAST, TILE_ROWS x 128 values, 4 warps):
